@@ -1,0 +1,246 @@
+// ctxpool/alloc/device_allocator.h — the caching, stream-ordered device
+// allocator.
+//
+// CachingDeviceAllocator keeps device memory it got from the driver (segments)
+// and hands out blocks carved from them, so the steady state of a server
+// makes no driver call per tensor. It follows PyTorch's CUDACachingAllocator
+// and RMM's pool resource where they are right and fixes where they are not:
+//
+//   * Requests round up to 512 B. Requests <= 1 MiB come from the small pool
+//     (2 MiB segments); larger ones from the large pool (20 MiB segments, or
+//     the request rounded up to 2 MiB).
+//   * Free blocks are indexed by (size, address) per (stream, pool): best fit
+//     in O(log n). Blocks are split on allocate and coalesced with free
+//     neighbours on free. Blocks larger than max_split_size are not split.
+//   * Stream order: a block freed with Deallocate is reusable at once by later
+//     work on the stream it was allocated on. A block also used on other
+//     streams (RecordStream) returns to the cache only when events recorded on
+//     those streams complete; they are polled on later calls, never waited on
+//     by the hot path.
+//   * A wholly free segment of one stream may be reused by another: the
+//     allocator records an event on the owner stream and makes the new stream
+//     wait on it (cuStreamWaitEvent) — ordering without a host synchronise.
+//   * Out of memory: free the cached blocks of the requesting stream, then all
+//     cached memory (waiting only on the streams concerned), retry once; then
+//     call the user's OOM callback, which may free memory and ask for one more
+//     retry; then fail with RESOURCE_EXHAUSTED and a report.
+//
+// Example:
+//
+//   CTXPOOL_ASSIGN_OR_RETURN(auto alloc,
+//                            CachingDeviceAllocator::Create(driver, 0));
+//   CTXPOOL_ASSIGN_OR_RETURN(DevicePtr p, alloc->Allocate(1 << 20, stream));
+//   ... enqueue work using p on `stream` ...
+//   alloc->Deallocate(p);            // stream-ordered: no synchronise needed
+//   alloc->Trim(/*keep_bytes=*/0);   // give cached memory back to the driver
+//
+// Size 0: Allocate(0, s) returns a valid, unique pointer (a 512 B block) that
+// must be deallocated like any other; this keeps "every successful Allocate
+// has one Deallocate" true for callers such as PyTorch that ask for 0 bytes.
+//
+// Thread-safety: all methods are thread-safe. The cached path of Allocate and
+// Deallocate takes one lock, makes no driver call and no heap allocation.
+#ifndef CTXPOOL_ALLOC_DEVICE_ALLOCATOR_H_
+#define CTXPOOL_ALLOC_DEVICE_ALLOCATOR_H_
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "ctxpool/driver/driver.h"
+
+namespace ctxpool {
+
+// How segments get their memory.
+enum class BackingMode {
+  kClassic,     // one cuMemAlloc per segment
+  kExpandable,  // VMM: per-stream virtual range, 2 MiB granules mapped on
+                // demand (see docs/architecture.md)
+};
+
+// What the OOM path tells the user callback and puts in the error message.
+struct OomReport {
+  std::size_t requested_bytes = 0;  // as asked
+  std::size_t rounded_bytes = 0;    // after rounding
+  StreamHandle stream;
+  std::size_t live_bytes = 0;      // allocated to callers
+  std::size_t reserved_bytes = 0;  // held from the driver
+  std::size_t largest_free_bytes = 0;
+  double fragmentation = 0.0;         // 1 − largest_free / total_free
+  std::size_t device_free_bytes = 0;  // cuMemGetInfo
+  std::size_t device_total_bytes = 0;
+  std::string ToString() const;
+};
+
+// Called once per failed allocation after the allocator's own retry. Return
+// true to have the allocator retry one more time (after the callback freed
+// something), false to fail. Called without the allocator's lock held: it may
+// call Deallocate and Trim.
+using OomCallback = std::function<bool(const OomReport&)>;
+
+struct DeviceAllocatorOptions {
+  std::size_t round_bytes = 512;
+  std::size_t small_size_limit = 1 << 20;  // <= goes to the small pool
+  std::size_t small_segment_bytes = 2 << 20;
+  std::size_t large_segment_bytes = 20 << 20;
+  std::size_t large_round_bytes = 2 << 20;  // larger requests round to this
+  // Free blocks larger than this are never split, and are used only for
+  // requests larger than it (PyTorch's max_split_size_mb). Default: no limit.
+  std::size_t max_split_size = std::numeric_limits<std::size_t>::max();
+  BackingMode backing = BackingMode::kClassic;
+  // The context to make current for driver calls; null means retain the
+  // device's primary context (released at destruction).
+  ContextHandle context;
+  OomCallback on_oom;
+};
+
+// One PyTorch-shaped statistic.
+struct Stat {
+  std::int64_t current = 0;
+  std::int64_t peak = 0;
+  std::int64_t allocated = 0;  // total increments
+  std::int64_t freed = 0;      // total decrements
+  void Add(std::int64_t n);
+  void Sub(std::int64_t n);
+};
+
+// Index into StatArray: aggregate, small pool, large pool.
+enum class StatPool : int { kAggregate = 0, kSmall = 1, kLarge = 2 };
+using StatArray = std::array<Stat, 3>;
+
+// The statistics of one pool set (whole allocator, or one stream).
+struct PoolStats {
+  StatArray allocation;       // live blocks (count)
+  StatArray segment;          // segments (count)
+  StatArray active;           // allocated or pending-free blocks (count)
+  StatArray inactive_split;   // free blocks inside partly used segments
+  StatArray allocated_bytes;  // bytes of live blocks (rounded)
+  StatArray requested_bytes;  // bytes callers asked for
+  StatArray reserved_bytes;   // bytes of segments
+  StatArray active_bytes;
+  StatArray inactive_split_bytes;
+};
+
+struct DeviceAllocatorStats {
+  PoolStats total;
+  std::vector<std::pair<StreamHandle, PoolStats>> per_stream;
+  std::int64_t num_alloc_retries = 0;  // OOM path taken
+  std::int64_t num_ooms = 0;           // RESOURCE_EXHAUSTED returned
+  std::int64_t cache_hits = 0;         // allocations served without driver
+  std::int64_t upstream_allocs = 0;    // cuMemAlloc / cuMemCreate calls
+  std::int64_t upstream_frees = 0;     // cuMemFree / cuMemRelease calls
+  std::int64_t num_trims = 0;
+  std::int64_t num_stream_waits = 0;  // cross-stream reuses ordered by events
+  std::int64_t num_host_syncs = 0;    // event/stream synchronises (OOM, Trim)
+  std::int64_t invalid_frees = 0;     // foreign pointer, double free
+  std::int64_t invalid_requests = 0;  // bad sizes, bad streams
+};
+
+// External fragmentation and overheads at one moment.
+struct FragmentationStats {
+  std::size_t free_bytes = 0;  // cached, in free blocks
+  std::size_t largest_free_bytes = 0;
+  std::size_t free_blocks = 0;
+  double external = 0.0;  // 1 − largest_free / free (0 if none)
+  std::size_t rounding_waste_bytes = 0;  // allocated − requested
+  double rounding_waste = 0.0;           // rounding_waste_bytes / allocated
+  double reserved_over_live = 0.0;       // reserved / allocated (0 if none)
+};
+
+enum class BlockState { kAllocated, kPendingFree, kFree };
+
+struct BlockInfo {
+  DevicePtr ptr;
+  std::size_t size = 0;             // rounded size of the block
+  std::size_t requested_bytes = 0;  // 0 unless allocated
+  StreamHandle stream;              // allocation stream (owner)
+  BlockState state = BlockState::kFree;
+};
+
+struct SegmentInfo {
+  DevicePtr base;
+  std::size_t size = 0;
+  StreamHandle stream;
+  bool small_pool = false;
+  std::vector<BlockInfo> blocks;  // by address, covering [base, base+size)
+};
+
+struct AllocatorSnapshot {
+  std::vector<SegmentInfo> segments;  // by address
+};
+
+struct TrimResult {
+  std::size_t freed_bytes = 0;      // returned to the driver
+  std::size_t remaining_bytes = 0;  // still reserved after the trim
+  std::size_t busy_bytes = 0;       // free but kept: a stream still uses it
+  int event_waits = 0;              // pending events it had to wait for
+};
+
+class CachingDeviceAllocator {
+ public:
+  // Creates an allocator for `device`. The driver must outlive it.
+  static absl::StatusOr<std::unique_ptr<CachingDeviceAllocator>> Create(
+      Driver& driver, int device, DeviceAllocatorOptions options = {});
+
+  // Returns all memory to the driver (as Reset(/*force=*/true)).
+  ~CachingDeviceAllocator();
+
+  CachingDeviceAllocator(const CachingDeviceAllocator&) = delete;
+  CachingDeviceAllocator& operator=(const CachingDeviceAllocator&) = delete;
+
+  // Returns a block of at least `bytes` usable by work on `stream` in stream
+  // order. INVALID_ARGUMENT for sizes no device could hold (> total memory);
+  // RESOURCE_EXHAUSTED with an OomReport when memory runs out.
+  absl::StatusOr<DevicePtr> Allocate(std::size_t bytes, StreamHandle stream);
+
+  // Returns `ptr` to the cache, ordered after the work already enqueued on its
+  // allocation stream (and on streams named by RecordStream). Never crashes:
+  // INVALID_ARGUMENT (and invalid_frees += 1) for a pointer that is not the
+  // start of a live block of this allocator, including a double free.
+  absl::Status Deallocate(DevicePtr ptr) noexcept;
+
+  // Marks that work on `stream` uses `ptr`: after Deallocate the block is not
+  // reused until that work completes.
+  absl::Status RecordStream(DevicePtr ptr, StreamHandle stream);
+
+  // Returns cached memory to the driver until at most `keep_bytes` stay
+  // reserved beyond live blocks. Never releases memory a pending stream may
+  // still touch: waits on that stream's event (counted in the result).
+  absl::StatusOr<TrimResult> Trim(std::size_t keep_bytes = 0);
+
+  // Drops everything. With live allocations it fails with
+  // FAILED_PRECONDITION listing them, unless `force`.
+  absl::Status Reset(bool force = false);
+
+  DeviceAllocatorStats Stats() const;
+  FragmentationStats Fragmentation() const;
+  AllocatorSnapshot Snapshot() const;
+  // The live block that starts at `ptr`, or NOT_FOUND.
+  absl::StatusOr<BlockInfo> Lookup(DevicePtr ptr) const;
+  // Sets every peak to its current value.
+  void ResetPeakStats();
+
+  // Checks the invariants (see device_allocator.cc); OK or INTERNAL naming
+  // the first broken one.
+  absl::Status CheckInvariants() const;
+
+  int device() const;
+  Driver& driver() const;
+  const DeviceAllocatorOptions& options() const;
+
+ private:
+  class Impl;
+  explicit CachingDeviceAllocator(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ctxpool
+
+#endif  // CTXPOOL_ALLOC_DEVICE_ALLOCATOR_H_
