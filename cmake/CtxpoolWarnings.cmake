@@ -91,7 +91,7 @@ if(CTXPOOL_SANITIZE MATCHES "thread" AND CTXPOOL_TSAN_ANNOTATE_ABSL)
     # also applies --wrap to the undefined symbols of libabsl's own .so files
     # (e.g. libabsl_cordz_info calls Mutex::Unlock) and wants them defined.
     # Deferred because src/ defines the target after this file is included.
-    add_link_options("LINKER:--undefined=ctxpool_tsan_absl_annotations_linked")
+    add_link_options("$<$<STREQUAL:$<TARGET_PROPERTY:TYPE>,EXECUTABLE>:-Wl,--undefined=ctxpool_tsan_absl_annotations_linked>")
     set(CTXPOOL_TSAN_ABSL_SOURCE
         "${CMAKE_CURRENT_LIST_DIR}/sanitizers/tsan_absl_annotations.cc")
     set(CTXPOOL_TSAN_ABSL_NS_MANGLED "${_ns}")
