@@ -144,6 +144,33 @@ TEST_F(CudaStubTest, StubLibraryIsUnavailable) {
   EXPECT_THAT(driver.status().message(), HasSubstr(StubPath()));
 }
 
+TEST_F(CudaStubTest, ToolkitStubIsUnavailable) {
+  ScopedEnv mode("CTXPOOL_STUB_MODE", "toolkit");
+  absl::StatusOr<std::unique_ptr<Driver>> driver = LoadStub();
+  ASSERT_FALSE(driver.ok());
+  EXPECT_EQ(driver.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(DriverErrorCode(driver.status()), cu::kErrorStubLibrary);
+  EXPECT_THAT(driver.status().message(), HasSubstr("stub library"));
+  EXPECT_THAT(driver.status().message(), HasSubstr("no NVIDIA driver"));
+}
+
+TEST_F(CudaDriverTest, RealToolkitStubIsUnavailable) {
+  if (!CudaDriver::CompiledIn()) GTEST_SKIP() << "built without CUDA";
+  const char* cuda_home = std::getenv("CUDA_HOME");
+  const std::string path =
+      absl::StrCat(cuda_home != nullptr ? cuda_home : "/usr/local/cuda",
+                   "/lib64/stubs/libcuda.so");
+  if (access(path.c_str(), R_OK) != 0) {
+    GTEST_SKIP() << "no CUDA toolkit stub at " << path;
+  }
+  absl::StatusOr<std::unique_ptr<Driver>> driver =
+      CudaDriver::Load({.library = path});
+  ASSERT_FALSE(driver.ok());
+  EXPECT_EQ(driver.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(DriverErrorCode(driver.status()), cu::kErrorStubLibrary);
+  EXPECT_THAT(driver.status().message(), HasSubstr("stub library"));
+}
+
 TEST_F(CudaStubTest, NoDeviceIsUnavailable) {
   ScopedEnv mode("CTXPOOL_STUB_MODE", "nodevice");
   absl::StatusOr<std::unique_ptr<Driver>> driver = LoadStub();

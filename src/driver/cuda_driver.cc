@@ -110,6 +110,16 @@ struct Api {
   PFN_cuMemHostUnregister_v4000 cuMemHostUnregister = nullptr;
 };
 
+// Re-labels a driver error as UNAVAILABLE, keeping its message and payload.
+absl::Status AsUnavailable(const absl::Status& status) {
+  if (status.ok() || absl::IsUnavailable(status)) return status;
+  absl::Status out(absl::StatusCode::kUnavailable, status.message());
+  status.ForEachPayload([&out](absl::string_view url, const absl::Cord& p) {
+    out.SetPayload(url, p);
+  });
+  return out;
+}
+
 // Resolves entry points through cuGetProcAddress_v2, remembering the first
 // one that is missing.
 class Resolver {
@@ -124,6 +134,12 @@ class Resolver {
     CUdriverProcAddressQueryResult found = CU_GET_PROC_ADDRESS_SUCCESS;
     CUresult rc = get_proc_(symbol, &fn, version,
                             CU_GET_PROC_ADDRESS_LEGACY_STREAM, &found);
+    if (rc == CUDA_ERROR_STUB_LIBRARY) {
+      // The toolkit's lib64/stubs/libcuda.so answers every call this way.
+      status_ =
+          AsUnavailable(DriverError(rc, "cuGetProcAddress", StubDetail()));
+      return;
+    }
     if (rc != CUDA_SUCCESS || fn == nullptr ||
         found != CU_GET_PROC_ADDRESS_SUCCESS) {
       absl::string_view why =
@@ -141,22 +157,17 @@ class Resolver {
   }
 
   const absl::Status& status() const { return status_; }
+  std::string StubDetail() const {
+    return absl::StrCat(library_,
+                        " is the CUDA toolkit's stub library, not a driver: no "
+                        "NVIDIA driver is installed on this machine");
+  }
 
  private:
   PFN_cuGetProcAddress_v12000 get_proc_;
   std::string library_;
   absl::Status status_;
 };
-
-// Re-labels a driver error as UNAVAILABLE, keeping its message and payload.
-absl::Status AsUnavailable(const absl::Status& status) {
-  if (status.ok() || absl::IsUnavailable(status)) return status;
-  absl::Status out(absl::StatusCode::kUnavailable, status.message());
-  status.ForEachPayload([&out](absl::string_view url, const absl::Cord& p) {
-    out.SetPayload(url, p);
-  });
-  return out;
-}
 
 CUdevice_attribute ToCu(DeviceAttribute attribute) {
   switch (attribute) {
@@ -555,11 +566,7 @@ absl::StatusOr<std::unique_ptr<Driver>> CudaDriver::Load(
 
   CUresult rc = api.cuInit(0);
   if (rc == CUDA_ERROR_STUB_LIBRARY) {
-    return AsUnavailable(DriverError(
-        rc, "cuInit",
-        absl::StrCat(library,
-                     " is the CUDA toolkit's stub library, not a driver: no "
-                     "NVIDIA driver is installed on this machine")));
+    return AsUnavailable(DriverError(rc, "cuInit", resolver.StubDetail()));
   }
   if (rc == CUDA_ERROR_NO_DEVICE) {
     return AsUnavailable(DriverError(

@@ -5,6 +5,8 @@
  *
  *   "stub" (default)  cuInit returns CUDA_ERROR_STUB_LIBRARY (34), like the
  *                     toolkit's lib64/stubs/libcuda.so.
+ *   "toolkit"         cuGetProcAddress itself returns CUDA_ERROR_STUB_LIBRARY,
+ *                     as the CUDA 13 toolkit's stub does.
  *   "nodevice"        cuInit returns CUDA_ERROR_NO_DEVICE (100).
  *   "ok"              cuInit succeeds, the driver is CUDA 13.0 with two
  *                     devices; a few calls answer (see below), every other
@@ -128,6 +130,10 @@ CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int version,
                              uint64_t flags, int* status) {
   (void)flags;
   Remember(symbol, version);
+  if (strcmp(Mode(), "toolkit") == 0) {
+    *pfn = NULL;
+    return kStubLibrary;
+  }
   const char* missing = getenv("CTXPOOL_STUB_MISSING");
   if (missing != NULL && strcmp(missing, symbol) == 0) {
     *pfn = NULL;
