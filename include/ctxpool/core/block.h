@@ -1,0 +1,141 @@
+// ctxpool/core/block.h — a block of device (or host) memory inside a segment.
+//
+// A segment is one contiguous range the allocator got from the driver; it is
+// tiled by blocks, each allocated, pending free (freed by the caller but still
+// in use by some stream's queued work) or free. Blocks are intrusive: the
+// address-order neighbours (prev/next) and the free-index links live in the
+// Block, and Blocks come from a BlockPool that recycles them, so splitting and
+// coalescing never touch the heap once the pool is warm.
+//
+//   BlockPool pool;
+//   Block* b = pool.New();
+//   b->address = base; b->size = 2 << 20;   // one free block: a whole segment
+//   Block* rest = SplitBlock(b, 4096, pool); // b: 4 KiB, rest: the remainder
+//   MergeNext(b, pool);                      // b covers the segment again
+//
+// Invariants of a segment's block list (CheckSegmentTiling in segment.h):
+//   first->address == segment.base, b->next->address == b->address + b->size,
+//   last->address + last->size == segment.base + segment.size,
+//   b->next->prev == b, and no two neighbours are both kFree (coalesced).
+//
+// Thread-compatible: callers serialise access.
+#ifndef CTXPOOL_CORE_BLOCK_H_
+#define CTXPOOL_CORE_BLOCK_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/container/inlined_vector.h"
+#include "ctxpool/core/free_index.h"
+
+namespace ctxpool {
+
+// The state of a block (reported by snapshots as well).
+enum class BlockState { kAllocated, kPendingFree, kFree };
+
+struct Segment;
+
+struct Block : FreeIndexNode {
+  std::uint64_t address = 0;
+  std::size_t size = 0;       // rounded; the block spans [address, end())
+  std::size_t requested = 0;  // bytes asked for; 0 unless allocated
+  Block* prev = nullptr;      // address-order neighbours in the segment
+  Block* next = nullptr;
+  Segment* segment = nullptr;
+  BlockState state = BlockState::kFree;
+  // Events still to complete before a kPendingFree block becomes kFree.
+  int pending_events = 0;
+  // Streams other than the owner that used the block (RecordStream).
+  absl::InlinedVector<std::uint64_t, 2> stream_uses;
+
+  std::uint64_t end() const { return address + size; }
+  // True when the block does not span its whole segment.
+  bool is_split() const { return prev != nullptr || next != nullptr; }
+};
+
+// A recycling arena of Blocks: New() pops a free-list, refilling it a chunk at
+// a time; Delete() pushes back. Blocks are never returned to the heap before
+// the pool is destroyed, so their addresses stay valid.
+class BlockPool {
+ public:
+  static constexpr std::size_t kChunkBlocks = 256;
+
+  BlockPool() = default;
+  BlockPool(const BlockPool&) = delete;
+  BlockPool& operator=(const BlockPool&) = delete;
+
+  // A default-initialised Block. Allocates only when the free-list is empty.
+  Block* New() {
+    if (free_ == nullptr) Refill();
+    Block* b = free_;
+    free_ = b->next;
+    b->next = nullptr;
+    ++live_;
+    return b;
+  }
+  // REQUIRES: b came from New() of this pool, is not linked in an index.
+  void Delete(Block* b) {
+    b->address = 0;
+    b->size = 0;
+    b->requested = 0;
+    b->prev = nullptr;
+    b->segment = nullptr;
+    b->state = BlockState::kFree;
+    b->pending_events = 0;
+    b->stream_uses.clear();
+    b->next = free_;
+    free_ = b;
+    --live_;
+  }
+  // Blocks handed out and not deleted.
+  std::size_t live() const { return live_; }
+  // Blocks owned (live + recycled).
+  std::size_t capacity() const { return chunks_.size() * kChunkBlocks; }
+
+ private:
+  void Refill() {
+    chunks_.push_back(std::make_unique<Block[]>(kChunkBlocks));
+    Block* chunk = chunks_.back().get();
+    for (std::size_t i = kChunkBlocks; i-- > 0;) {
+      chunk[i].next = free_;
+      free_ = &chunk[i];
+    }
+  }
+
+  std::vector<std::unique_ptr<Block[]>> chunks_;
+  Block* free_ = nullptr;
+  std::size_t live_ = 0;
+};
+
+// Splits `b` into [address, address + size) (kept in `b`) and the remainder,
+// a new block returned with b's state and segment, linked after `b`.
+// REQUIRES: 0 < size < b->size; !b->linked().
+inline Block* SplitBlock(Block* b, std::size_t size, BlockPool& pool) {
+  Block* rest = pool.New();
+  rest->address = b->address + size;
+  rest->size = b->size - size;
+  rest->segment = b->segment;
+  rest->state = b->state;
+  rest->prev = b;
+  rest->next = b->next;
+  if (b->next != nullptr) b->next->prev = rest;
+  b->next = rest;
+  b->size = size;
+  return rest;
+}
+
+// Merges b->next into `b` (b grows; the neighbour returns to `pool`).
+// REQUIRES: b->next != nullptr; neither is linked in an index.
+inline void MergeNext(Block* b, BlockPool& pool) {
+  Block* n = b->next;
+  b->size += n->size;
+  b->next = n->next;
+  if (n->next != nullptr) n->next->prev = b;
+  pool.Delete(n);
+}
+
+}  // namespace ctxpool
+
+#endif  // CTXPOOL_CORE_BLOCK_H_
