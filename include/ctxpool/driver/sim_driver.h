@@ -221,6 +221,10 @@ class SimDriver final : public Driver {
   // Memory taken by live contexts on `device`.
   std::size_t context_bytes(int device) const;
   const SimDeviceSpec& device_spec(int device) const;
+  // Checks the bookkeeping equations: per device, used == live cuMemAlloc
+  // bytes (rounded to alloc_alignment) + cuMemCreate bytes not yet freed +
+  // context_bytes; per stream, completed + pending == enqueued. For tests.
+  absl::Status CheckInvariants() const;
 
   // ---- Driver ----------------------------------------------------------
   absl::string_view Kind() const override;
@@ -287,6 +291,8 @@ class SimDriver final : public Driver {
  private:
   struct State;  // everything, behind one mutex (sim_driver.cc)
   explicit SimDriver(SimOptions options);
+  // Runs completed host funcs, in completion order, without the mutex held.
+  void RunHostFuncs();
   std::unique_ptr<State> state_;
 };
 

@@ -1,0 +1,2008 @@
+// SimDriver: the simulated GPU. See include/ctxpool/driver/sim_driver.h.
+//
+// Everything lives in State, behind one absl::Mutex. Streams are FIFOs of
+// operations; an operation completes when its stream is not held (or is
+// being advanced) and the operations it depends on (a waited event, a legacy
+// default stream barrier) are complete. Because only a Hold keeps work
+// pending, completion is eager: an operation enqueued on an idle, unheld
+// stream completes inside the call, and only Advance/Release can unblock
+// queued work (they pump every stream with pending work).
+//
+// Address space: device addresses come from one bump pointer per SimDriver
+// starting at 2^52 (far from any host address); they are never reused within
+// one SimDriver, so a stale pointer is always detected. Handles are
+// deterministic counters with a distinct base per kind.
+#include "ctxpool/driver/sim_driver.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <optional>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/btree_map.h"
+#include "absl/container/btree_set.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
+#include "ctxpool/driver/internal/sim_race_detector.h"
+
+namespace ctxpool {
+namespace {
+
+using sim_internal::ClockAt;
+using sim_internal::JoinClock;
+using sim_internal::RaceShadow;
+using sim_internal::VectorClock;
+
+constexpr std::uint64_t kDeviceAddressBase = std::uint64_t{1} << 52;
+constexpr std::uint64_t kHandleStride = 0x10;
+constexpr std::uint64_t kContextBase = 0xC7000000;
+constexpr std::uint64_t kStreamBase = 0x57000000;
+constexpr std::uint64_t kEventBase = 0xE7000000;
+constexpr std::uint64_t kPhysicalBase = 0x9A000000;
+constexpr int kPriorityLeast = 0;
+constexpr int kPriorityGreatest = -5;
+constexpr std::size_t kLogCap = 1000;
+constexpr std::size_t kHostPage = 4096;
+
+std::uint64_t RoundUp(std::uint64_t x, std::uint64_t align) {
+  return (x + align - 1) / align * align;
+}
+bool IsPowerOfTwo(std::uint64_t x) { return x != 0 && (x & (x - 1)) == 0; }
+
+std::atomic<std::uint64_t> g_next_driver_id{1};
+
+thread_local std::int64_t t_simulated_ns = 0;
+
+// The calling thread's context stack for each SimDriver (keyed by a unique
+// driver id, never by address, so a new SimDriver at a reused address starts
+// with an empty stack).
+std::vector<std::uint64_t>& ThreadCtxStack(std::uint64_t driver_id) {
+  thread_local absl::flat_hash_map<std::uint64_t, std::vector<std::uint64_t>>
+      stacks;
+  return stacks[driver_id];
+}
+
+SimDeviceSpec MakeSpec(absl::string_view name, std::size_t gib, int major,
+                       int minor, int sms, std::size_t overhead_mib) {
+  SimDeviceSpec spec;
+  spec.name = std::string(name);
+  spec.capacity_bytes = gib * kGiB;
+  spec.compute_capability_major = major;
+  spec.compute_capability_minor = minor;
+  spec.multiprocessor_count = sms;
+  spec.context_overhead_bytes = overhead_mib * kMiB;
+  return spec;
+}
+
+struct Preset {
+  const char* key;
+  SimDeviceSpec spec;
+};
+
+const std::vector<Preset>& Presets() {
+  static const auto* presets = new std::vector<Preset>{
+      {"h100-80gb", MakeSpec("NVIDIA H100 80GB HBM3", 80, 9, 0, 132, 500)},
+      {"h200-141gb", MakeSpec("NVIDIA H200", 141, 9, 0, 132, 500)},
+      {"a100-80gb", MakeSpec("NVIDIA A100-SXM4-80GB", 80, 8, 0, 108, 400)},
+      {"a100-40gb", MakeSpec("NVIDIA A100-SXM4-40GB", 40, 8, 0, 108, 400)},
+      {"a10-24gb", MakeSpec("NVIDIA A10", 24, 8, 6, 72, 300)},
+      {"l4-24gb", MakeSpec("NVIDIA L4", 24, 8, 9, 58, 300)},
+      {"t4-16gb", MakeSpec("Tesla T4", 16, 7, 5, 40, 300)},
+      {"v100-32gb", MakeSpec("Tesla V100-SXM2-32GB", 32, 7, 0, 80, 300)},
+      {"rtx4090-24gb", MakeSpec("NVIDIA GeForce RTX 4090", 24, 8, 9, 128, 300)},
+  };
+  return *presets;
+}
+
+// Parses "24GiB", "24GB" (10^9), "512MiB", "512MB", "1TiB"; bytes otherwise.
+std::optional<std::size_t> ParseCapacity(absl::string_view text) {
+  struct Unit {
+    const char* suffix;
+    double scale;
+  };
+  static constexpr Unit kUnits[] = {
+      {"tib", 1099511627776.0},
+      {"gib", 1073741824.0},
+      {"mib", 1048576.0},
+      {"kib", 1024.0},
+      {"tb", 1e12},
+      {"gb", 1e9},
+      {"mb", 1e6},
+      {"kb", 1e3},
+      {"b", 1.0},
+  };
+  for (const Unit& unit : kUnits) {
+    if (!absl::EndsWith(text, unit.suffix)) continue;
+    absl::string_view number =
+        text.substr(0, text.size() - strlen(unit.suffix));
+    double value = 0;
+    if (number.empty() || !absl::SimpleAtod(number, &value) || !(value > 0) ||
+        value > 1e15) {
+      return std::nullopt;
+    }
+    return static_cast<std::size_t>(value * unit.scale);
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+absl::StatusOr<SimDeviceSpec> SimDevicePreset(absl::string_view name) {
+  const std::string key = absl::AsciiStrToLower(name);
+  for (const Preset& preset : Presets()) {
+    if (key == preset.key) return preset.spec;
+  }
+  return absl::NotFoundError(absl::StrCat(
+      "unknown simulated device preset '", name,
+      "'; known presets: ", absl::StrJoin(SimDevicePresetNames(), ", ")));
+}
+
+std::vector<std::string> SimDevicePresetNames() {
+  std::vector<std::string> names;
+  for (const Preset& preset : Presets()) names.emplace_back(preset.key);
+  return names;
+}
+
+absl::string_view SimCallName(SimCall call) {
+  static constexpr absl::string_view kNames[kSimCallCount] = {
+      "cuMemAlloc",
+      "cuMemFree",
+      "cuMemCreate",
+      "cuMemRelease",
+      "cuMemMap",
+      "cuMemUnmap",
+      "cuMemSetAccess",
+      "cuMemAddressReserve",
+      "cuMemAddressFree",
+      "cuMemHostAlloc",
+      "cuMemFreeHost",
+      "cuMemHostRegister",
+      "cuMemHostUnregister",
+      "cuStreamCreateWithPriority",
+      "cuStreamDestroy",
+      "cuStreamQuery",
+      "cuStreamSynchronize",
+      "cuStreamWaitEvent",
+      "cuLaunchHostFunc",
+      "cuEventCreate",
+      "cuEventDestroy",
+      "cuEventRecord",
+      "cuEventQuery",
+      "cuEventSynchronize",
+      "cuDevicePrimaryCtxRetain",
+      "cuDevicePrimaryCtxRelease",
+      "cuCtxCreate",
+      "cuCtxDestroy",
+      "cuCtxSynchronize",
+      "cuMemsetD8Async",
+      "cuMemcpyAsync",
+  };
+  const int i = static_cast<int>(call);
+  if (i < 0 || i >= kSimCallCount) return "unknown";
+  return kNames[i];
+}
+
+// ---------------------------------------------------------------------------
+// State
+
+struct SimDriver::State {
+  struct Op {
+    enum Kind : std::uint8_t { kWork, kRecord, kWait, kHostFn };
+    Kind kind = kWork;
+    std::uint64_t seq = 0;
+    std::uint64_t lo = 0;  // kWork: the range touched
+    std::uint64_t hi = 0;
+    absl::InlinedVector<std::pair<std::uint32_t, std::uint64_t>, 1> deps;
+    HostFn fn = nullptr;
+    void* user_data = nullptr;
+  };
+  struct Stream {
+    StreamHandle handle;
+    std::uint64_t ctx = 0;
+    unsigned flags = 0;
+    int priority = 0;
+    bool legacy = false;
+    bool destroyed = false;
+    bool held = false;
+    std::uint64_t enqueued = 0;   // seq of the last enqueued op
+    std::uint64_t completed = 0;  // seq of the last completed op
+    std::deque<Op> queue;         // enqueued, not complete (seq order)
+    VectorClock clock;
+    std::uint64_t host_version_seen = 0;
+    std::int64_t outstanding_work_ns = 0;  // work the host has not waited for
+  };
+  struct Event {
+    std::uint64_t ctx = 0;
+    unsigned flags = 0;
+    bool recorded = false;
+    std::uint32_t stream = 0;
+    std::uint64_t seq = 0;
+    VectorClock snapshot;
+  };
+  struct Context {
+    ContextHandle handle;
+    int device = 0;
+    bool primary = false;
+    bool alive = false;
+    std::uint32_t legacy_stream = 0;
+    std::vector<std::uint32_t> streams;  // live user streams
+    std::size_t limits[3] = {1024, 1 * kMiB, 8 * kMiB};
+  };
+  struct Alloc {
+    std::size_t bytes = 0;
+    std::size_t charged = 0;
+    int device = 0;
+    std::uint64_t ctx = 0;
+  };
+  struct Mapping {
+    std::size_t bytes = 0;
+    std::uint64_t handle = 0;
+    std::size_t offset = 0;
+    bool access = false;
+  };
+  struct Physical {
+    std::size_t bytes = 0;
+    int device = 0;
+    bool released = false;
+    int maps = 0;
+  };
+  struct HostRange {
+    std::size_t bytes = 0;
+    bool allocated = false;  // MemHostAlloc (else MemHostRegister)
+  };
+  struct Device {
+    SimDeviceSpec spec;
+    std::size_t used = 0;
+    std::size_t peak = 0;
+    std::size_t context_bytes = 0;
+    int primary_refcount = 0;
+    unsigned primary_flags = 0;
+    std::uint64_t primary_ctx = 0;
+    int contexts_created = 0;
+  };
+  struct Fault {
+    int count = 0;
+    int error = 0;
+  };
+
+  explicit State(SimOptions options) : driver_id(g_next_driver_id++) {
+    if (options.devices.empty()) {
+      options.devices.push_back(*SimDevicePreset("h100-80gb"));
+    }
+    absl::MutexLock lock(&mu);
+    for (SimDeviceSpec& spec : options.devices) {
+      Device device;
+      device.spec = std::move(spec);
+      if (device.spec.vmm_granularity == 0) device.spec.vmm_granularity = 1;
+      if (device.spec.alloc_alignment == 0) device.spec.alloc_alignment = 256;
+      const std::uint64_t handle = NextHandle(kContextBase);
+      device.primary_ctx = handle;
+      Context ctx;
+      ctx.handle = ContextHandle(handle);
+      ctx.device = static_cast<int>(devices.size());
+      ctx.primary = true;
+      contexts.emplace(handle, std::move(ctx));
+      devices.push_back(std::move(device));
+    }
+  }
+
+  ~State() {
+    absl::MutexLock lock(&mu);
+    for (auto& [address, range] : host_ranges) {
+      if (range.allocated) std::free(reinterpret_cast<void*>(address));
+    }
+  }
+
+  const std::uint64_t driver_id;
+  mutable absl::Mutex mu;
+
+  std::vector<Device> devices ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<std::uint64_t, Context> contexts ABSL_GUARDED_BY(mu);
+  std::vector<Stream> streams ABSL_GUARDED_BY(mu);  // by internal index
+  absl::flat_hash_map<std::uint64_t, std::uint32_t> stream_index
+      ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<std::uint64_t, Event> events ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<std::uint64_t, bool> destroyed_events ABSL_GUARDED_BY(mu);
+  absl::btree_set<std::uint32_t> pending_streams ABSL_GUARDED_BY(mu);
+  std::size_t pending_ops ABSL_GUARDED_BY(mu) = 0;
+
+  absl::btree_map<std::uint64_t, Alloc> allocs ABSL_GUARDED_BY(mu);
+  absl::btree_map<std::uint64_t, std::size_t> reservations ABSL_GUARDED_BY(mu);
+  absl::btree_map<std::uint64_t, Mapping> mappings ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<std::uint64_t, Physical> physical ABSL_GUARDED_BY(mu);
+  absl::btree_map<std::uint64_t, HostRange> host_ranges ABSL_GUARDED_BY(mu);
+  std::uint64_t next_address ABSL_GUARDED_BY(mu) = kDeviceAddressBase;
+  std::uint64_t next_handle_serial ABSL_GUARDED_BY(mu) = 0;
+
+  VectorClock host_clock ABSL_GUARDED_BY(mu);
+  std::uint64_t host_version ABSL_GUARDED_BY(mu) = 1;
+  RaceShadow shadow ABSL_GUARDED_BY(mu);
+  bool race_detection ABSL_GUARDED_BY(mu) = true;
+  std::vector<RaceShadow::Conflict> conflicts ABSL_GUARDED_BY(mu);
+  std::uint64_t race_count ABSL_GUARDED_BY(mu) = 0;
+  std::vector<SimRace> races ABSL_GUARDED_BY(mu);
+
+  std::uint64_t misuse_count ABSL_GUARDED_BY(mu) = 0;
+  std::deque<std::string> misuse_log ABSL_GUARDED_BY(mu);
+
+  std::array<std::uint64_t, kSimCallCount> calls ABSL_GUARDED_BY(mu) = {};
+  std::array<Fault, kSimCallCount> faults ABSL_GUARDED_BY(mu) = {};
+  std::array<std::int64_t, kSimCallCount> costs ABSL_GUARDED_BY(mu) = {};
+  std::array<std::int64_t, kSimCallCount> costs_per_mib
+      ABSL_GUARDED_BY(mu) = {};
+  std::int64_t work_cost ABSL_GUARDED_BY(mu) = 0;
+  std::int64_t context_create_cost ABSL_GUARDED_BY(mu) = 0;
+  std::int64_t simulated_ns ABSL_GUARDED_BY(mu) = 0;
+
+  // Host funcs whose operation completed, run in order outside the mutex by
+  // one thread at a time (like the driver's callback thread).
+  std::deque<std::pair<HostFn, void*>> callbacks ABSL_GUARDED_BY(mu);
+  bool callbacks_running ABSL_GUARDED_BY(mu) = false;
+
+  // ---- helpers (all with mu held) ----------------------------------------
+
+  std::uint64_t NextHandle(std::uint64_t base)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return base + (++next_handle_serial) * kHandleStride;
+  }
+
+  void Charge(std::int64_t ns) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    simulated_ns += ns;
+    t_simulated_ns += ns;
+  }
+
+  // Counts the call, charges its cost and consumes an injected fault.
+  absl::Status Enter(SimCall call, std::size_t bytes = 0)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const int i = static_cast<int>(call);
+    ++calls[i];
+    std::int64_t cost = costs[i];
+    if (costs_per_mib[i] != 0) {
+      cost += static_cast<std::int64_t>(static_cast<double>(costs_per_mib[i]) *
+                                        static_cast<double>(bytes) /
+                                        static_cast<double>(kMiB));
+    }
+    Charge(cost);
+    if (faults[i].count > 0) {
+      --faults[i].count;
+      return DriverError(faults[i].error, SimCallName(call), "injected fault");
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Misuse(absl::string_view call, int error, absl::string_view why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    ++misuse_count;
+    absl::Status status = DriverError(error, call, why);
+    misuse_log.emplace_back(status.message());
+    if (misuse_log.size() > kLogCap) misuse_log.pop_front();
+    return status;
+  }
+
+  absl::Status CheckDevice(absl::string_view call, int device)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (device < 0 || device >= static_cast<int>(devices.size())) {
+      return Misuse(call, cu::kErrorInvalidDevice,
+                    absl::StrCat("device ", device, " does not exist (",
+                                 devices.size(), " simulated)"));
+    }
+    return absl::OkStatus();
+  }
+
+  // The calling thread's current context, alive.
+  absl::StatusOr<Context*> Current(absl::string_view call)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const std::vector<std::uint64_t>& stack = ThreadCtxStack(driver_id);
+    if (stack.empty() || stack.back() == 0) {
+      return Misuse(call, cu::kErrorInvalidContext,
+                    "no context is current on this thread");
+    }
+    auto it = contexts.find(stack.back());
+    if (it == contexts.end()) {
+      return Misuse(call, cu::kErrorInvalidContext,
+                    "the current context is not a context of this driver");
+    }
+    if (!it->second.alive) {
+      return Misuse(call, cu::kErrorContextIsDestroyed,
+                    "the current context was destroyed");
+    }
+    return &it->second;
+  }
+
+  // Resolves a stream handle; the null handle is the legacy default stream of
+  // the current context.
+  absl::StatusOr<std::uint32_t> ResolveStream(absl::string_view call,
+                                              StreamHandle handle,
+                                              bool allow_destroyed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (handle.is_null()) {
+      absl::StatusOr<Context*> ctx = Current(call);
+      if (!ctx.ok()) return ctx.status();
+      return (*ctx)->legacy_stream;
+    }
+    auto it = stream_index.find(handle.value());
+    if (it == stream_index.end()) {
+      return Misuse(
+          call, cu::kErrorInvalidHandle,
+          absl::StrFormat("stream 0x%x is not a stream", handle.value()));
+    }
+    if (!allow_destroyed && streams[it->second].destroyed) {
+      return Misuse(
+          call, cu::kErrorInvalidHandle,
+          absl::StrFormat("stream 0x%x was destroyed", handle.value()));
+    }
+    return it->second;
+  }
+
+  absl::StatusOr<Event*> ResolveEvent(absl::string_view call,
+                                      EventHandle handle)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto it = events.find(handle.value());
+    if (it != events.end()) return &it->second;
+    if (destroyed_events.contains(handle.value())) {
+      return Misuse(
+          call, cu::kErrorInvalidHandle,
+          absl::StrFormat("event 0x%x was destroyed", handle.value()));
+    }
+    return Misuse(
+        call, cu::kErrorInvalidHandle,
+        absl::StrFormat("event 0x%x is not an event", handle.value()));
+  }
+
+  std::uint32_t NewStream(std::uint64_t ctx, unsigned flags, int priority,
+                          bool legacy) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    Stream stream;
+    stream.handle =
+        legacy ? StreamHandle() : StreamHandle(NextHandle(kStreamBase));
+    stream.ctx = ctx;
+    stream.flags = flags;
+    stream.priority = priority;
+    stream.legacy = legacy;
+    const auto index = static_cast<std::uint32_t>(streams.size());
+    streams.push_back(std::move(stream));
+    if (!legacy) stream_index.emplace(streams[index].handle.value(), index);
+    return index;
+  }
+
+  void ActivateContext(Context& ctx) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    ctx.alive = true;
+    ctx.streams.clear();
+    ctx.limits[0] = 1024;
+    ctx.limits[1] = 1 * kMiB;
+    ctx.limits[2] = 8 * kMiB;
+    ctx.legacy_stream = NewStream(ctx.handle.value(), kStreamDefault, 0, true);
+    Device& device = devices[ctx.device];
+    Charge(context_create_cost);
+    ++device.contexts_created;
+    AddUsed(device, device.spec.context_overhead_bytes);
+    device.context_bytes += device.spec.context_overhead_bytes;
+  }
+
+  // Destroys a context: its streams and events, and the cuMemAlloc memory it
+  // still owns (as the driver frees it).
+  void DeactivateContext(Context& ctx) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    ctx.alive = false;
+    const std::uint64_t id = ctx.handle.value();
+    streams[ctx.legacy_stream].destroyed = true;
+    for (std::uint32_t s : ctx.streams) streams[s].destroyed = true;
+    ctx.streams.clear();
+    for (auto it = events.begin(); it != events.end();) {
+      if (it->second.ctx == id) {
+        destroyed_events.emplace(it->first, true);
+        events.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+    for (auto it = allocs.begin(); it != allocs.end();) {
+      if (it->second.ctx == id) {
+        devices[it->second.device].used -= it->second.charged;
+        shadow.Forget(it->first, it->first + it->second.bytes);
+        it = allocs.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    Device& device = devices[ctx.device];
+    device.used -= device.spec.context_overhead_bytes;
+    device.context_bytes -= device.spec.context_overhead_bytes;
+  }
+
+  bool Fits(const Device& device, std::size_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return bytes <= device.spec.capacity_bytes &&
+           device.used <= device.spec.capacity_bytes - bytes;
+  }
+  void AddUsed(Device& device, std::size_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    device.used += bytes;
+    device.peak = std::max(device.peak, device.used);
+  }
+
+  absl::Status OutOfMemory(absl::string_view call, const Device& device,
+                           std::size_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return DriverError(
+        cu::kErrorOutOfMemory, call,
+        absl::StrFormat("%u bytes requested, %u of %u bytes in use on %s",
+                        bytes, device.used, device.spec.capacity_bytes,
+                        device.spec.name));
+  }
+
+  std::uint64_t BumpAddress(std::size_t bytes, std::size_t alignment)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const std::uint64_t address = RoundUp(next_address, alignment);
+    next_address = address + RoundUp(bytes, alignment);
+    return address;
+  }
+
+  // ---- happens-before and the stream engine -------------------------------
+
+  void HostJoin(const VectorClock& clock) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (JoinClock(host_clock, clock)) ++host_version;
+  }
+
+  // The host waited for everything enqueued on `s` (charges its work).
+  void HostSynced(std::uint32_t s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    Stream& stream = streams[s];
+    HostJoin(stream.clock);
+    Charge(stream.outstanding_work_ns);
+    stream.outstanding_work_ns = 0;
+  }
+
+  bool EventComplete(const Event& event) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return !event.recorded || streams[event.stream].completed >= event.seq;
+  }
+
+  void AddDep(Op& op, std::uint32_t s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const Stream& other = streams[s];
+    if (other.completed < other.enqueued)
+      op.deps.emplace_back(s, other.enqueued);
+  }
+
+  // Prepares `op` for stream `s`: joins the host clock and legacy-stream
+  // barriers into the stream's clock, ticks it and assigns the op's seq.
+  void Prepare(std::uint32_t s, Op& op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    Stream& stream = streams[s];
+    if (stream.host_version_seen != host_version) {
+      JoinClock(stream.clock, host_clock);
+      stream.host_version_seen = host_version;
+    }
+    if ((stream.flags & kStreamNonBlocking) == 0) {
+      auto ctx_it = contexts.find(stream.ctx);
+      if (ctx_it != contexts.end() && ctx_it->second.alive) {
+        const Context& ctx = ctx_it->second;
+        if (stream.legacy) {
+          for (std::uint32_t b : ctx.streams) {
+            if ((streams[b].flags & kStreamNonBlocking) != 0) continue;
+            AddDep(op, b);
+            JoinClock(streams[s].clock, streams[b].clock);
+          }
+        } else if (ctx.legacy_stream != s) {
+          AddDep(op, ctx.legacy_stream);
+          JoinClock(streams[s].clock, streams[ctx.legacy_stream].clock);
+        }
+      }
+    }
+    Stream& st = streams[s];
+    if (st.clock.size() <= s) st.clock.resize(s + 1, 0);
+    op.seq = ++st.enqueued;
+    st.clock[s] = op.seq;
+  }
+
+  bool DepsDone(const Op& op) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (const auto& [s, seq] : op.deps) {
+      if (streams[s].completed < seq) return false;
+    }
+    return true;
+  }
+
+  void CompleteOp(Stream& stream, const Op& op)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    stream.completed = op.seq;
+    if (op.kind == Op::kHostFn && op.fn != nullptr) {
+      callbacks.emplace_back(op.fn, op.user_data);
+    }
+  }
+
+  // Completes `op` at once when possible, else queues it.
+  void Submit(std::uint32_t s, Op op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    Stream& stream = streams[s];
+    if (stream.queue.empty() && !stream.held && DepsDone(op)) {
+      CompleteOp(stream, op);
+      return;
+    }
+    stream.queue.push_back(std::move(op));
+    ++pending_ops;
+    pending_streams.insert(s);
+  }
+
+  // Completes up to `limit` front operations of `s` (ignoring a hold when
+  // `force`). Returns the number completed.
+  std::size_t Drain(std::uint32_t s, std::size_t limit, bool force)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    Stream& stream = streams[s];
+    std::size_t done = 0;
+    while (done < limit && !stream.queue.empty() && (force || !stream.held) &&
+           DepsDone(stream.queue.front())) {
+      CompleteOp(stream, stream.queue.front());
+      stream.queue.pop_front();
+      --pending_ops;
+      ++done;
+    }
+    if (stream.queue.empty()) pending_streams.erase(s);
+    return done;
+  }
+
+  // Completes everything that can complete.
+  void Pump() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    bool progress = true;
+    std::vector<std::uint32_t> order;
+    while (progress && !pending_streams.empty()) {
+      progress = false;
+      order.assign(pending_streams.begin(), pending_streams.end());
+      for (std::uint32_t s : order) {
+        if (Drain(s, static_cast<std::size_t>(-1), false) > 0) progress = true;
+      }
+    }
+  }
+
+  // ---- memory validation and the race detector ---------------------------
+
+  // True when [lo, hi) is inside one cuMemAlloc allocation, inside mappings
+  // with access, or inside pinned host memory. Else sets *why.
+  bool Accessible(std::uint64_t lo, std::uint64_t hi, std::string* why) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto a = allocs.upper_bound(lo);
+    if (a != allocs.begin()) {
+      --a;
+      if (a->first <= lo && hi <= a->first + a->second.bytes) return true;
+    }
+    auto h = host_ranges.upper_bound(lo);
+    if (h != host_ranges.begin()) {
+      --h;
+      if (h->first <= lo && hi <= h->first + h->second.bytes) return true;
+    }
+    auto m = mappings.upper_bound(lo);
+    if (m != mappings.begin()) {
+      --m;
+      std::uint64_t cursor = lo;
+      while (m != mappings.end() && m->first <= cursor &&
+             cursor < m->first + m->second.bytes) {
+        if (!m->second.access) {
+          *why = absl::StrFormat(
+              "[0x%x, 0x%x) is mapped but cuMemSetAccess was not called", lo,
+              hi);
+          return false;
+        }
+        cursor = m->first + m->second.bytes;
+        if (cursor >= hi) return true;
+        ++m;
+      }
+    }
+    *why = absl::StrFormat(
+        "[0x%x, 0x%x) is not inside allocated or mapped memory", lo, hi);
+    return false;
+  }
+
+  void RecordAccess(std::uint32_t s, std::uint64_t lo, std::uint64_t hi)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (!race_detection) return;
+    conflicts.clear();
+    shadow.Access(lo, hi, s, streams[s].clock, host_clock, &conflicts);
+    for (const RaceShadow::Conflict& c : conflicts) {
+      ++race_count;
+      if (races.size() >= kLogCap) continue;
+      SimRace race;
+      race.first_ptr = DevicePtr(c.lo);
+      race.first_bytes = c.hi - c.lo;
+      race.first_stream = streams[c.stream].handle;
+      race.second_ptr = DevicePtr(lo);
+      race.second_bytes = hi - lo;
+      race.second_stream = streams[s].handle;
+      race.description = absl::StrFormat(
+          "race: access [0x%x, +%u) on stream 0x%x (op %u) is not ordered "
+          "with the earlier access [0x%x, +%u) on stream 0x%x (op %u); order "
+          "them with cuEventRecord + cuStreamWaitEvent",
+          lo, hi - lo, streams[s].handle.value(), streams[s].enqueued, c.lo,
+          c.hi - c.lo, streams[c.stream].handle.value(), c.epoch);
+      races.push_back(std::move(race));
+    }
+  }
+
+  // A work operation (Touch, memset, memcpy) on stream `s`.
+  void EnqueueWork(std::uint32_t s, std::uint64_t lo, std::uint64_t hi,
+                   std::uint64_t lo2 = 0, std::uint64_t hi2 = 0)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    Op op;
+    op.kind = Op::kWork;
+    op.lo = lo;
+    op.hi = hi;
+    Prepare(s, op);
+    RecordAccess(s, lo, hi);
+    if (lo2 < hi2) RecordAccess(s, lo2, hi2);
+    streams[s].outstanding_work_ns += work_cost;
+    Submit(s, std::move(op));
+  }
+
+  // A pending (held) work op touches [lo, hi): freeing it is a use after
+  // free. Returns a description or empty.
+  std::string PendingUser(std::uint64_t lo, std::uint64_t hi) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (pending_ops == 0) return {};
+    for (std::uint32_t s : pending_streams) {
+      for (const Op& op : streams[s].queue) {
+        if (op.kind == Op::kWork && op.lo < hi && lo < op.hi) {
+          return absl::StrFormat(
+              "use after free: pending work [0x%x, 0x%x) on stream 0x%x "
+              "(held) still touches [0x%x, 0x%x)",
+              op.lo, op.hi, streams[s].handle.value(), lo, hi);
+        }
+      }
+    }
+    return {};
+  }
+
+  // The implicit device synchronisation of cuMemFree: the host waits for
+  // every stream of `device` whose work is complete.
+  void DeviceSync(int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (std::uint32_t s = 0; s < streams.size(); ++s) {
+      const Stream& stream = streams[s];
+      if (stream.completed != stream.enqueued) continue;
+      auto ctx = contexts.find(stream.ctx);
+      if (ctx == contexts.end() || ctx->second.device != device) continue;
+      if (stream.outstanding_work_ns != 0 ||
+          ClockAt(host_clock, s) < stream.enqueued) {
+        HostSynced(s);
+      }
+    }
+  }
+
+  absl::Status CheckInvariants() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    std::vector<std::size_t> used(devices.size(), 0);
+    for (const auto& [address, alloc] : allocs)
+      used[alloc.device] += alloc.charged;
+    for (const auto& [handle, phys] : physical) used[phys.device] += phys.bytes;
+    for (std::size_t d = 0; d < devices.size(); ++d) {
+      used[d] += devices[d].context_bytes;
+      if (used[d] != devices[d].used) {
+        return absl::InternalError(absl::StrFormat(
+            "device %d: used %u != allocs + physical + contexts %u", d,
+            devices[d].used, used[d]));
+      }
+    }
+    std::size_t pending = 0;
+    for (const Stream& stream : streams) {
+      pending += stream.queue.size();
+      if (stream.completed + stream.queue.size() != stream.enqueued) {
+        return absl::InternalError("stream: completed + queued != enqueued");
+      }
+    }
+    if (pending != pending_ops) {
+      return absl::InternalError("pending_ops does not match the queues");
+    }
+    return absl::OkStatus();
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Construction
+
+SimDriver::SimDriver(SimOptions options)
+    : state_(std::make_unique<State>(std::move(options))) {}
+
+SimDriver::~SimDriver() = default;
+
+std::unique_ptr<SimDriver> SimDriver::Create(SimOptions options) {
+  return std::unique_ptr<SimDriver>(new SimDriver(std::move(options)));
+}
+
+absl::StatusOr<std::unique_ptr<SimDriver>> SimDriver::CreateFromSpec(
+    absl::string_view spec) {
+  const std::string lower =
+      absl::AsciiStrToLower(absl::StripAsciiWhitespace(spec));
+  absl::string_view rest = lower;
+  const auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bad simulated driver spec '", spec, "': ", why,
+        "; expected 'sim', 'sim:<preset>', 'sim:<N>x<preset>' or "
+        "'sim:<capacity>' (e.g. 24GiB, 24GB = 24e9 bytes); presets: ",
+        absl::StrJoin(SimDevicePresetNames(), ", ")));
+  };
+  if (rest == "sim") return Create();
+  if (!absl::ConsumePrefix(&rest, "sim:") || rest.empty()) {
+    return bad("it does not start with 'sim'");
+  }
+  int count = 1;
+  const std::size_t x = rest.find('x');
+  if (x != absl::string_view::npos && x > 0) {
+    int n = 0;
+    if (absl::SimpleAtoi(rest.substr(0, x), &n)) {
+      if (n < 1 || n > 64) return bad("the device count must be 1..64");
+      count = n;
+      rest.remove_prefix(x + 1);
+    }
+  }
+  SimDeviceSpec device;
+  absl::StatusOr<SimDeviceSpec> preset = SimDevicePreset(rest);
+  if (preset.ok()) {
+    device = *preset;
+  } else if (std::optional<std::size_t> capacity = ParseCapacity(rest)) {
+    if (*capacity < 2 * device.context_overhead_bytes) {
+      device.context_overhead_bytes = *capacity / 8;
+    }
+    device.capacity_bytes = *capacity;
+    device.name = absl::StrCat("ctxpool simulated GPU (", rest, ")");
+  } else {
+    return bad(absl::StrCat("'", rest, "' is neither a preset nor a capacity"));
+  }
+  SimOptions options;
+  options.devices.assign(count, device);
+  return Create(std::move(options));
+}
+
+// Runs completed host funcs in completion order, one thread at a time, with
+// the mutex released (a host func may call back into the driver).
+void SimDriver::RunHostFuncs() {
+  State& s = *state_;
+  {
+    absl::MutexLock lock(&s.mu);
+    if (s.callbacks_running || s.callbacks.empty()) return;
+    s.callbacks_running = true;
+  }
+  for (;;) {
+    std::pair<HostFn, void*> callback;
+    {
+      absl::MutexLock lock(&s.mu);
+      if (s.callbacks.empty()) {
+        s.callbacks_running = false;
+        return;
+      }
+      callback = s.callbacks.front();
+      s.callbacks.pop_front();
+    }
+    callback.first(callback.second);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Stream clock
+
+void SimDriver::Hold(StreamHandle stream) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  absl::StatusOr<std::uint32_t> index = s.ResolveStream("Hold", stream, true);
+  if (index.ok()) s.streams[*index].held = true;
+}
+
+std::size_t SimDriver::Advance(StreamHandle stream, std::size_t ops) {
+  State& s = *state_;
+  std::size_t done = 0;
+  {
+    absl::MutexLock lock(&s.mu);
+    absl::StatusOr<std::uint32_t> index =
+        s.ResolveStream("Advance", stream, true);
+    if (!index.ok()) return 0;
+    done = s.Drain(*index, ops, /*force=*/true);
+    s.Pump();
+  }
+  RunHostFuncs();
+  return done;
+}
+
+void SimDriver::Release(StreamHandle stream) {
+  State& s = *state_;
+  {
+    absl::MutexLock lock(&s.mu);
+    absl::StatusOr<std::uint32_t> index =
+        s.ResolveStream("Release", stream, true);
+    if (!index.ok()) return;
+    s.streams[*index].held = false;
+    s.Pump();
+  }
+  RunHostFuncs();
+}
+
+std::size_t SimDriver::PendingOps(StreamHandle stream) const {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  absl::StatusOr<std::uint32_t> index =
+      s.ResolveStream("PendingOps", stream, true);
+  if (!index.ok()) return 0;
+  return s.streams[*index].queue.size();
+}
+
+// ---------------------------------------------------------------------------
+// Work and the race detector
+
+absl::Status SimDriver::Touch(StreamHandle stream, DevicePtr ptr,
+                              std::size_t bytes) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Current("Touch").status());
+  CTXPOOL_ASSIGN_OR_RETURN(std::uint32_t index,
+                           s.ResolveStream("Touch", stream, false));
+  if (bytes == 0) return absl::OkStatus();
+  const std::uint64_t lo = ptr.address();
+  const std::uint64_t hi = lo + bytes;
+  std::string why;
+  if (hi < lo || !s.Accessible(lo, hi, &why)) {
+    return s.Misuse("Touch", cu::kErrorIllegalAddress, why);
+  }
+  s.EnqueueWork(index, lo, hi);
+  return absl::OkStatus();
+}
+
+std::vector<SimRace> SimDriver::Races() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->races;
+}
+
+std::uint64_t SimDriver::race_count() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->race_count;
+}
+
+void SimDriver::SetRaceDetection(bool enabled) {
+  absl::MutexLock lock(&state_->mu);
+  state_->race_detection = enabled;
+}
+
+// ---------------------------------------------------------------------------
+// Misuse, faults, costs, counters
+
+std::uint64_t SimDriver::misuse_count() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->misuse_count;
+}
+
+std::vector<std::string> SimDriver::misuse_log() const {
+  absl::MutexLock lock(&state_->mu);
+  return {state_->misuse_log.begin(), state_->misuse_log.end()};
+}
+
+void SimDriver::InjectFault(SimCall call, int count, int cuda_error) {
+  const int i = static_cast<int>(call);
+  if (i < 0 || i >= kSimCallCount) return;
+  absl::MutexLock lock(&state_->mu);
+  state_->faults[i] = {std::max(count, 0), cuda_error};
+}
+
+void SimDriver::SetCost(SimCall call, std::int64_t nanoseconds) {
+  const int i = static_cast<int>(call);
+  if (i < 0 || i >= kSimCallCount) return;
+  absl::MutexLock lock(&state_->mu);
+  state_->costs[i] = nanoseconds;
+}
+
+void SimDriver::SetWorkCost(std::int64_t nanoseconds) {
+  absl::MutexLock lock(&state_->mu);
+  state_->work_cost = nanoseconds;
+}
+
+void SimDriver::UseRealisticCosts() {
+  struct Row {
+    SimCall call;
+    std::int64_t ns;
+    std::int64_t ns_per_mib;
+  };
+  static constexpr Row kRealistic[] = {
+      {SimCall::kMemAlloc, 10'000, 1'000},
+      {SimCall::kMemFree, 50'000, 0},
+      {SimCall::kMemCreate, 20'000, 0},
+      {SimCall::kMemRelease, 10'000, 0},
+      {SimCall::kMemMap, 5'000, 0},
+      {SimCall::kMemUnmap, 10'000, 0},
+      {SimCall::kMemSetAccess, 5'000, 0},
+      {SimCall::kMemAddressReserve, 2'000, 0},
+      {SimCall::kMemAddressFree, 2'000, 0},
+      {SimCall::kMemHostAlloc, 5'000, 977},  // ~1 ms per GiB
+      {SimCall::kMemFreeHost, 20'000, 0},
+      {SimCall::kMemHostRegister, 5'000, 500},
+      {SimCall::kMemHostUnregister, 5'000, 0},
+      {SimCall::kStreamCreate, 5'000, 0},
+      {SimCall::kStreamDestroy, 5'000, 0},
+      {SimCall::kEventCreate, 1'000, 0},
+      {SimCall::kEventDestroy, 1'000, 0},
+      {SimCall::kEventRecord, 2'000, 0},
+      {SimCall::kEventQuery, 500, 0},
+      {SimCall::kStreamWaitEvent, 1'000, 0},
+      {SimCall::kStreamQuery, 500, 0},
+      {SimCall::kLaunchHostFunc, 3'000, 0},
+      {SimCall::kPrimaryCtxRetain, 1'000, 0},
+      {SimCall::kCtxCreate, 1'000, 0},
+      {SimCall::kMemsetAsync, 3'000, 0},
+      {SimCall::kMemcpyAsync, 3'000, 0},
+  };
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  for (const Row& row : kRealistic) {
+    s.costs[static_cast<int>(row.call)] = row.ns;
+    s.costs_per_mib[static_cast<int>(row.call)] = row.ns_per_mib;
+  }
+  s.work_cost = 5'000;
+  s.context_create_cost = 100'000'000;  // creating a context: ~100 ms
+}
+
+std::int64_t SimDriver::simulated_time_ns() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->simulated_ns;
+}
+
+std::int64_t SimDriver::thread_simulated_time_ns() { return t_simulated_ns; }
+
+std::uint64_t SimDriver::call_count(SimCall call) const {
+  const int i = static_cast<int>(call);
+  if (i < 0 || i >= kSimCallCount) return 0;
+  absl::MutexLock lock(&state_->mu);
+  return state_->calls[i];
+}
+
+std::size_t SimDriver::used_bytes(int device) const {
+  absl::MutexLock lock(&state_->mu);
+  if (device < 0 || device >= static_cast<int>(state_->devices.size()))
+    return 0;
+  return state_->devices[device].used;
+}
+
+std::size_t SimDriver::peak_used_bytes(int device) const {
+  absl::MutexLock lock(&state_->mu);
+  if (device < 0 || device >= static_cast<int>(state_->devices.size()))
+    return 0;
+  return state_->devices[device].peak;
+}
+
+int SimDriver::primary_ctx_refcount(int device) const {
+  absl::MutexLock lock(&state_->mu);
+  if (device < 0 || device >= static_cast<int>(state_->devices.size()))
+    return 0;
+  return state_->devices[device].primary_refcount;
+}
+
+int SimDriver::contexts_created(int device) const {
+  absl::MutexLock lock(&state_->mu);
+  if (device < 0 || device >= static_cast<int>(state_->devices.size()))
+    return 0;
+  return state_->devices[device].contexts_created;
+}
+
+std::size_t SimDriver::context_bytes(int device) const {
+  absl::MutexLock lock(&state_->mu);
+  if (device < 0 || device >= static_cast<int>(state_->devices.size()))
+    return 0;
+  return state_->devices[device].context_bytes;
+}
+
+const SimDeviceSpec& SimDriver::device_spec(int device) const {
+  absl::MutexLock lock(&state_->mu);
+  // Specs never change after construction, so the reference stays valid.
+  return state_->devices[device].spec;
+}
+
+absl::Status SimDriver::CheckInvariants() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->CheckInvariants();
+}
+
+// ---------------------------------------------------------------------------
+// Devices
+
+absl::string_view SimDriver::Kind() const { return "sim"; }
+
+std::string SimDriver::Describe() const {
+  absl::MutexLock lock(&state_->mu);
+  std::vector<std::string> parts;
+  for (const State::Device& d : state_->devices) {
+    parts.push_back(absl::StrFormat("%s (%.1f GiB)", d.spec.name,
+                                    static_cast<double>(d.spec.capacity_bytes) /
+                                        static_cast<double>(kGiB)));
+  }
+  return absl::StrCat("SimDriver: ", parts.size(),
+                      " simulated device(s): ", absl::StrJoin(parts, ", "));
+}
+
+absl::StatusOr<int> SimDriver::DeviceCount() {
+  absl::MutexLock lock(&state_->mu);
+  return static_cast<int>(state_->devices.size());
+}
+
+absl::StatusOr<std::string> SimDriver::DeviceName(int device) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuDeviceGetName", device));
+  return s.devices[device].spec.name;
+}
+
+absl::StatusOr<std::size_t> SimDriver::DeviceTotalMem(int device) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuDeviceTotalMem", device));
+  return s.devices[device].spec.capacity_bytes;
+}
+
+absl::StatusOr<int> SimDriver::DeviceGetAttribute(DeviceAttribute attribute,
+                                                  int device) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuDeviceGetAttribute", device));
+  const SimDeviceSpec& spec = s.devices[device].spec;
+  switch (attribute) {
+    case DeviceAttribute::kComputeCapabilityMajor:
+      return spec.compute_capability_major;
+    case DeviceAttribute::kComputeCapabilityMinor:
+      return spec.compute_capability_minor;
+    case DeviceAttribute::kMultiprocessorCount:
+      return spec.multiprocessor_count;
+    case DeviceAttribute::kVirtualMemoryManagementSupported:
+      return spec.vmm_supported ? 1 : 0;
+    case DeviceAttribute::kMemoryPoolsSupported:
+    case DeviceAttribute::kUnifiedAddressing:
+    case DeviceAttribute::kCanMapHostMemory:
+      return 1;
+    case DeviceAttribute::kIntegrated:
+      return 0;
+    case DeviceAttribute::kPciBusId:
+      return 0x10 + device;
+  }
+  return s.Misuse("cuDeviceGetAttribute", cu::kErrorInvalidValue,
+                  "unknown attribute");
+}
+
+// ---------------------------------------------------------------------------
+// Contexts
+
+absl::StatusOr<ContextHandle> SimDriver::PrimaryCtxRetain(int device) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kPrimaryCtxRetain));
+  CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuDevicePrimaryCtxRetain", device));
+  State::Device& d = s.devices[device];
+  State::Context& ctx = s.contexts.at(d.primary_ctx);
+  if (d.primary_refcount == 0) {
+    if (!s.Fits(d, d.spec.context_overhead_bytes)) {
+      return s.OutOfMemory("cuDevicePrimaryCtxRetain", d,
+                           d.spec.context_overhead_bytes);
+    }
+    s.ActivateContext(ctx);
+  }
+  ++d.primary_refcount;
+  return ctx.handle;
+}
+
+absl::Status SimDriver::PrimaryCtxRelease(int device) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kPrimaryCtxRelease));
+  CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuDevicePrimaryCtxRelease", device));
+  State::Device& d = s.devices[device];
+  if (d.primary_refcount == 0) {
+    return s.Misuse("cuDevicePrimaryCtxRelease", cu::kErrorInvalidContext,
+                    "the primary context is not retained");
+  }
+  if (--d.primary_refcount == 0)
+    s.DeactivateContext(s.contexts.at(d.primary_ctx));
+  return absl::OkStatus();
+}
+
+absl::Status SimDriver::PrimaryCtxSetFlags(int device, unsigned flags) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuDevicePrimaryCtxSetFlags", device));
+  s.devices[device].primary_flags = flags;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PrimaryContextState> SimDriver::PrimaryCtxGetState(int device) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuDevicePrimaryCtxGetState", device));
+  PrimaryContextState state;
+  state.flags = s.devices[device].primary_flags;
+  state.active = s.devices[device].primary_refcount > 0;
+  return state;
+}
+
+absl::StatusOr<ContextHandle> SimDriver::CtxCreate(int device, unsigned flags) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kCtxCreate));
+  CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuCtxCreate", device));
+  State::Device& d = s.devices[device];
+  if (!s.Fits(d, d.spec.context_overhead_bytes)) {
+    return s.OutOfMemory("cuCtxCreate", d, d.spec.context_overhead_bytes);
+  }
+  const std::uint64_t handle = s.NextHandle(kContextBase);
+  State::Context ctx;
+  ctx.handle = ContextHandle(handle);
+  ctx.device = device;
+  State::Context& inserted =
+      s.contexts.emplace(handle, std::move(ctx)).first->second;
+  s.ActivateContext(inserted);
+  ThreadCtxStack(s.driver_id).push_back(handle);
+  return ContextHandle(handle);
+}
+
+absl::Status SimDriver::CtxDestroy(ContextHandle ctx) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kCtxDestroy));
+  auto it = s.contexts.find(ctx.value());
+  if (it == s.contexts.end()) {
+    return s.Misuse("cuCtxDestroy", cu::kErrorInvalidContext,
+                    "not a context of this driver");
+  }
+  if (it->second.primary) {
+    return s.Misuse("cuCtxDestroy", cu::kErrorInvalidContext,
+                    "a primary context is released with "
+                    "cuDevicePrimaryCtxRelease, not destroyed");
+  }
+  if (!it->second.alive) {
+    return s.Misuse("cuCtxDestroy", cu::kErrorContextIsDestroyed,
+                    "the context was already destroyed");
+  }
+  s.DeactivateContext(it->second);
+  std::vector<std::uint64_t>& stack = ThreadCtxStack(s.driver_id);
+  if (!stack.empty() && stack.back() == ctx.value()) stack.pop_back();
+  return absl::OkStatus();
+}
+
+absl::Status SimDriver::CtxPushCurrent(ContextHandle ctx) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  auto it = s.contexts.find(ctx.value());
+  if (it == s.contexts.end()) {
+    return s.Misuse("cuCtxPushCurrent", cu::kErrorInvalidContext,
+                    "not a context of this driver");
+  }
+  if (!it->second.alive) {
+    return s.Misuse("cuCtxPushCurrent", cu::kErrorContextIsDestroyed,
+                    "the context was destroyed");
+  }
+  ThreadCtxStack(s.driver_id).push_back(ctx.value());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ContextHandle> SimDriver::CtxPopCurrent() {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  std::vector<std::uint64_t>& stack = ThreadCtxStack(s.driver_id);
+  if (stack.empty()) {
+    return s.Misuse("cuCtxPopCurrent", cu::kErrorInvalidContext,
+                    "the context stack of this thread is empty");
+  }
+  const ContextHandle top(stack.back());
+  stack.pop_back();
+  return top;
+}
+
+absl::StatusOr<ContextHandle> SimDriver::CtxGetCurrent() {
+  const std::vector<std::uint64_t>& stack = ThreadCtxStack(state_->driver_id);
+  if (stack.empty()) return ContextHandle();
+  return ContextHandle(stack.back());
+}
+
+absl::Status SimDriver::CtxSetCurrent(ContextHandle ctx) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  std::vector<std::uint64_t>& stack = ThreadCtxStack(s.driver_id);
+  if (ctx.is_null()) {
+    if (!stack.empty()) stack.pop_back();
+    return absl::OkStatus();
+  }
+  auto it = s.contexts.find(ctx.value());
+  if (it == s.contexts.end()) {
+    return s.Misuse("cuCtxSetCurrent", cu::kErrorInvalidContext,
+                    "not a context of this driver");
+  }
+  if (!it->second.alive) {
+    return s.Misuse("cuCtxSetCurrent", cu::kErrorContextIsDestroyed,
+                    "the context was destroyed (or its primary context "
+                    "released)");
+  }
+  if (stack.empty()) {
+    stack.push_back(ctx.value());
+  } else {
+    stack.back() = ctx.value();
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> SimDriver::CtxGetDevice() {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx, s.Current("cuCtxGetDevice"));
+  return ctx->device;
+}
+
+absl::Status SimDriver::CtxSynchronize() {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kCtxSynchronize));
+  CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx, s.Current("cuCtxSynchronize"));
+  std::vector<std::uint32_t> all = ctx->streams;
+  all.push_back(ctx->legacy_stream);
+  for (std::uint32_t index : all) {
+    const State::Stream& stream = s.streams[index];
+    if (stream.completed != stream.enqueued) {
+      return s.Misuse(
+          "cuCtxSynchronize", cu::kErrorNotReady,
+          absl::StrFormat("would block forever: stream 0x%x has %u pending "
+                          "operations held back by SimDriver::Hold",
+                          stream.handle.value(), stream.queue.size()));
+    }
+  }
+  for (std::uint32_t index : all) s.HostSynced(index);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::size_t> SimDriver::CtxGetLimit(ContextLimit limit) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx, s.Current("cuCtxGetLimit"));
+  const int i = static_cast<int>(limit);
+  if (i < 0 || i >= 3) {
+    return s.Misuse("cuCtxGetLimit", cu::kErrorUnsupportedLimit,
+                    "unknown limit");
+  }
+  return ctx->limits[i];
+}
+
+absl::Status SimDriver::CtxSetLimit(ContextLimit limit, std::size_t value) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx, s.Current("cuCtxSetLimit"));
+  const int i = static_cast<int>(limit);
+  if (i < 0 || i >= 3) {
+    return s.Misuse("cuCtxSetLimit", cu::kErrorUnsupportedLimit,
+                    "unknown limit");
+  }
+  ctx->limits[i] = value;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<MemInfo> SimDriver::MemGetInfo() {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx, s.Current("cuMemGetInfo"));
+  const State::Device& d = s.devices[ctx->device];
+  MemInfo info;
+  info.total_bytes = d.spec.capacity_bytes;
+  info.free_bytes =
+      d.used >= d.spec.capacity_bytes ? 0 : d.spec.capacity_bytes - d.used;
+  return info;
+}
+
+// ---------------------------------------------------------------------------
+// Streams
+
+absl::StatusOr<StreamHandle> SimDriver::StreamCreate(unsigned flags,
+                                                     int priority) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kStreamCreate));
+  CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx,
+                           s.Current("cuStreamCreateWithPriority"));
+  if ((flags & ~kStreamNonBlocking) != 0) {
+    return s.Misuse("cuStreamCreateWithPriority", cu::kErrorInvalidValue,
+                    absl::StrFormat("unknown stream flags 0x%x", flags));
+  }
+  // The driver clamps priorities into the range.
+  priority = std::clamp(priority, kPriorityGreatest, kPriorityLeast);
+  const std::uint64_t ctx_id = ctx->handle.value();
+  const std::uint32_t index = s.NewStream(ctx_id, flags, priority, false);
+  s.contexts.at(ctx_id).streams.push_back(index);
+  return s.streams[index].handle;
+}
+
+absl::Status SimDriver::StreamDestroy(StreamHandle stream) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kStreamDestroy));
+  CTXPOOL_RETURN_IF_ERROR(s.Current("cuStreamDestroy").status());
+  if (stream.is_null()) {
+    return s.Misuse("cuStreamDestroy", cu::kErrorInvalidHandle,
+                    "the legacy default stream cannot be destroyed");
+  }
+  CTXPOOL_ASSIGN_OR_RETURN(std::uint32_t index,
+                           s.ResolveStream("cuStreamDestroy", stream, false));
+  State::Stream& st = s.streams[index];
+  st.destroyed = true;  // pending work still completes
+  auto ctx = s.contexts.find(st.ctx);
+  if (ctx != s.contexts.end()) {
+    auto& list = ctx->second.streams;
+    list.erase(std::remove(list.begin(), list.end(), index), list.end());
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> SimDriver::StreamQuery(StreamHandle stream) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kStreamQuery));
+  CTXPOOL_RETURN_IF_ERROR(s.Current("cuStreamQuery").status());
+  CTXPOOL_ASSIGN_OR_RETURN(std::uint32_t index,
+                           s.ResolveStream("cuStreamQuery", stream, false));
+  const State::Stream& st = s.streams[index];
+  if (st.completed != st.enqueued) return false;
+  s.HostJoin(st.clock);
+  return true;
+}
+
+absl::Status SimDriver::StreamSynchronize(StreamHandle stream) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kStreamSynchronize));
+  CTXPOOL_RETURN_IF_ERROR(s.Current("cuStreamSynchronize").status());
+  CTXPOOL_ASSIGN_OR_RETURN(
+      std::uint32_t index,
+      s.ResolveStream("cuStreamSynchronize", stream, false));
+  const State::Stream& st = s.streams[index];
+  if (st.completed != st.enqueued) {
+    return s.Misuse(
+        "cuStreamSynchronize", cu::kErrorNotReady,
+        absl::StrFormat("would block forever: %u operations of stream 0x%x "
+                        "are held back (SimDriver::Hold); Release it first",
+                        st.queue.size(), st.handle.value()));
+  }
+  s.HostSynced(index);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StreamPriorityRange> SimDriver::StreamGetPriorityRange() {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Current("cuCtxGetStreamPriorityRange").status());
+  StreamPriorityRange range;
+  range.least = kPriorityLeast;
+  range.greatest = kPriorityGreatest;
+  return range;
+}
+
+absl::Status SimDriver::StreamWaitEvent(StreamHandle stream,
+                                        EventHandle event) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kStreamWaitEvent));
+  CTXPOOL_RETURN_IF_ERROR(s.Current("cuStreamWaitEvent").status());
+  CTXPOOL_ASSIGN_OR_RETURN(std::uint32_t index,
+                           s.ResolveStream("cuStreamWaitEvent", stream, false));
+  CTXPOOL_ASSIGN_OR_RETURN(State::Event * e,
+                           s.ResolveEvent("cuStreamWaitEvent", event));
+  State::Op op;
+  op.kind = State::Op::kWait;
+  if (e->recorded) {
+    if (s.streams[e->stream].completed < e->seq) {
+      op.deps.emplace_back(e->stream, e->seq);
+    }
+    JoinClock(s.streams[index].clock, e->snapshot);
+  }
+  s.Prepare(index, op);
+  s.Submit(index, std::move(op));
+  return absl::OkStatus();
+}
+
+absl::Status SimDriver::LaunchHostFunc(StreamHandle stream, HostFn fn,
+                                       void* user_data) {
+  State& s = *state_;
+  {
+    absl::MutexLock lock(&s.mu);
+    CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kLaunchHostFunc));
+    CTXPOOL_RETURN_IF_ERROR(s.Current("cuLaunchHostFunc").status());
+    CTXPOOL_ASSIGN_OR_RETURN(
+        std::uint32_t index,
+        s.ResolveStream("cuLaunchHostFunc", stream, false));
+    if (fn == nullptr) {
+      return s.Misuse("cuLaunchHostFunc", cu::kErrorInvalidValue,
+                      "null host function");
+    }
+    State::Op op;
+    op.kind = State::Op::kHostFn;
+    op.fn = fn;
+    op.user_data = user_data;
+    s.Prepare(index, op);
+    s.Submit(index, std::move(op));
+  }
+  RunHostFuncs();
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// Events
+
+absl::StatusOr<EventHandle> SimDriver::EventCreate(unsigned flags) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kEventCreate));
+  CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx, s.Current("cuEventCreate"));
+  const std::uint64_t handle = s.NextHandle(kEventBase);
+  State::Event event;
+  event.ctx = ctx->handle.value();
+  event.flags = flags;
+  s.events.emplace(handle, std::move(event));
+  return EventHandle(handle);
+}
+
+absl::Status SimDriver::EventDestroy(EventHandle event) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kEventDestroy));
+  CTXPOOL_RETURN_IF_ERROR(s.Current("cuEventDestroy").status());
+  CTXPOOL_RETURN_IF_ERROR(s.ResolveEvent("cuEventDestroy", event).status());
+  s.events.erase(event.value());
+  s.destroyed_events.emplace(event.value(), true);
+  return absl::OkStatus();
+}
+
+absl::Status SimDriver::EventRecord(EventHandle event, StreamHandle stream) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kEventRecord));
+  CTXPOOL_RETURN_IF_ERROR(s.Current("cuEventRecord").status());
+  CTXPOOL_ASSIGN_OR_RETURN(std::uint32_t index,
+                           s.ResolveStream("cuEventRecord", stream, false));
+  CTXPOOL_ASSIGN_OR_RETURN(State::Event * e,
+                           s.ResolveEvent("cuEventRecord", event));
+  State::Op op;
+  op.kind = State::Op::kRecord;
+  s.Prepare(index, op);
+  e->recorded = true;
+  e->stream = index;
+  e->seq = op.seq;
+  e->snapshot = s.streams[index].clock;
+  s.Submit(index, std::move(op));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> SimDriver::EventQuery(EventHandle event) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kEventQuery));
+  CTXPOOL_RETURN_IF_ERROR(s.Current("cuEventQuery").status());
+  CTXPOOL_ASSIGN_OR_RETURN(State::Event * e,
+                           s.ResolveEvent("cuEventQuery", event));
+  if (!s.EventComplete(*e)) return false;
+  if (e->recorded) s.HostJoin(e->snapshot);
+  return true;
+}
+
+absl::Status SimDriver::EventSynchronize(EventHandle event) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kEventSynchronize));
+  CTXPOOL_RETURN_IF_ERROR(s.Current("cuEventSynchronize").status());
+  CTXPOOL_ASSIGN_OR_RETURN(State::Event * e,
+                           s.ResolveEvent("cuEventSynchronize", event));
+  if (!s.EventComplete(*e)) {
+    return s.Misuse("cuEventSynchronize", cu::kErrorNotReady,
+                    absl::StrFormat("would block forever: the event waits for "
+                                    "stream 0x%x, held by SimDriver::Hold",
+                                    s.streams[e->stream].handle.value()));
+  }
+  if (e->recorded) s.HostJoin(e->snapshot);
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// Classic device memory
+
+absl::StatusOr<DevicePtr> SimDriver::MemAlloc(std::size_t bytes) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemAlloc, bytes));
+  CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx, s.Current("cuMemAlloc"));
+  if (bytes == 0) {
+    return s.Misuse("cuMemAlloc", cu::kErrorInvalidValue, "zero bytes");
+  }
+  State::Device& d = s.devices[ctx->device];
+  const std::size_t charged = RoundUp(bytes, d.spec.alloc_alignment);
+  if (charged < bytes || !s.Fits(d, charged)) {
+    return s.OutOfMemory("cuMemAlloc", d, bytes);
+  }
+  const std::uint64_t address = s.BumpAddress(bytes, d.spec.alloc_alignment);
+  s.AddUsed(d, charged);
+  s.allocs.emplace(
+      address, State::Alloc{bytes, charged, ctx->device, ctx->handle.value()});
+  return DevicePtr(address);
+}
+
+absl::Status SimDriver::MemFree(DevicePtr ptr) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemFree));
+  CTXPOOL_RETURN_IF_ERROR(s.Current("cuMemFree").status());
+  if (ptr.is_null()) return absl::OkStatus();
+  auto it = s.allocs.find(ptr.address());
+  if (it == s.allocs.end()) {
+    return s.Misuse(
+        "cuMemFree", cu::kErrorInvalidValue,
+        absl::StrFormat("0x%x is not the start of a live cuMemAlloc allocation "
+                        "(double free or foreign pointer)",
+                        ptr.address()));
+  }
+  const std::uint64_t hi = it->first + it->second.bytes;
+  std::string user = s.PendingUser(it->first, hi);
+  if (!user.empty()) {
+    s.Misuse("cuMemFree", cu::kErrorIllegalAddress, user).IgnoreError();
+  }
+  s.DeviceSync(it->second.device);
+  s.devices[it->second.device].used -= it->second.charged;
+  s.shadow.Forget(it->first, hi);
+  s.allocs.erase(it);
+  return absl::OkStatus();
+}
+
+absl::Status SimDriver::MemsetD8Async(DevicePtr dst, unsigned char value,
+                                      std::size_t bytes, StreamHandle stream) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemsetAsync));
+  CTXPOOL_RETURN_IF_ERROR(s.Current("cuMemsetD8Async").status());
+  CTXPOOL_ASSIGN_OR_RETURN(std::uint32_t index,
+                           s.ResolveStream("cuMemsetD8Async", stream, false));
+  if (bytes == 0) return absl::OkStatus();
+  const std::uint64_t lo = dst.address();
+  std::string why;
+  if (lo + bytes < lo || !s.Accessible(lo, lo + bytes, &why)) {
+    return s.Misuse("cuMemsetD8Async", cu::kErrorInvalidValue, why);
+  }
+  s.EnqueueWork(index, lo, lo + bytes);
+  return absl::OkStatus();
+}
+
+absl::Status SimDriver::MemcpyAsync(DevicePtr dst, DevicePtr src,
+                                    std::size_t bytes, StreamHandle stream) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemcpyAsync));
+  CTXPOOL_RETURN_IF_ERROR(s.Current("cuMemcpyAsync").status());
+  CTXPOOL_ASSIGN_OR_RETURN(std::uint32_t index,
+                           s.ResolveStream("cuMemcpyAsync", stream, false));
+  if (bytes == 0) return absl::OkStatus();
+  std::string why;
+  for (DevicePtr p : {dst, src}) {
+    if (p.address() + bytes < p.address() ||
+        !s.Accessible(p.address(), p.address() + bytes, &why)) {
+      return s.Misuse("cuMemcpyAsync", cu::kErrorInvalidValue, why);
+    }
+  }
+  s.EnqueueWork(index, dst.address(), dst.address() + bytes, src.address(),
+                src.address() + bytes);
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// VMM
+
+absl::StatusOr<std::size_t> SimDriver::MemGetAllocationGranularity(int device) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(
+      s.CheckDevice("cuMemGetAllocationGranularity", device));
+  return s.devices[device].spec.vmm_granularity;
+}
+
+absl::StatusOr<DevicePtr> SimDriver::MemAddressReserve(std::size_t bytes,
+                                                       std::size_t alignment) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemAddressReserve));
+  const std::size_t granularity = s.devices[0].spec.vmm_granularity;
+  if (bytes == 0 || bytes % granularity != 0) {
+    return s.Misuse("cuMemAddressReserve", cu::kErrorInvalidValue,
+                    absl::StrFormat("size %u is not a positive multiple of the "
+                                    "granularity %u",
+                                    bytes, granularity));
+  }
+  if (alignment != 0 && !IsPowerOfTwo(alignment)) {
+    return s.Misuse(
+        "cuMemAddressReserve", cu::kErrorInvalidValue,
+        absl::StrFormat("alignment %u is not a power of two", alignment));
+  }
+  const std::uint64_t address =
+      s.BumpAddress(bytes, std::max<std::size_t>(alignment, granularity));
+  s.reservations.emplace(address, bytes);
+  return DevicePtr(address);
+}
+
+absl::Status SimDriver::MemAddressFree(DevicePtr ptr, std::size_t bytes) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemAddressFree));
+  auto it = s.reservations.find(ptr.address());
+  if (it == s.reservations.end() || it->second != bytes) {
+    return s.Misuse("cuMemAddressFree", cu::kErrorInvalidValue,
+                    absl::StrFormat("[0x%x, +%u) is not a whole reservation",
+                                    ptr.address(), bytes));
+  }
+  auto m = s.mappings.lower_bound(ptr.address());
+  if (m != s.mappings.end() && m->first < ptr.address() + bytes) {
+    return s.Misuse(
+        "cuMemAddressFree", cu::kErrorInvalidValue,
+        absl::StrFormat("the reservation still has a mapping at 0x%x; "
+                        "cuMemUnmap it first",
+                        m->first));
+  }
+  s.reservations.erase(it);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PhysicalMemHandle> SimDriver::MemCreate(std::size_t bytes,
+                                                       int device) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemCreate, bytes));
+  CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuMemCreate", device));
+  State::Device& d = s.devices[device];
+  if (!d.spec.vmm_supported) {
+    return DriverError(cu::kErrorNotSupported, "cuMemCreate",
+                       "the device does not support VMM");
+  }
+  if (bytes == 0 || bytes % d.spec.vmm_granularity != 0) {
+    return s.Misuse("cuMemCreate", cu::kErrorInvalidValue,
+                    absl::StrFormat("size %u is not a positive multiple of the "
+                                    "granularity %u",
+                                    bytes, d.spec.vmm_granularity));
+  }
+  if (!s.Fits(d, bytes)) return s.OutOfMemory("cuMemCreate", d, bytes);
+  s.AddUsed(d, bytes);
+  const std::uint64_t handle = s.NextHandle(kPhysicalBase);
+  s.physical.emplace(handle, State::Physical{bytes, device, false, 0});
+  return PhysicalMemHandle(handle);
+}
+
+absl::Status SimDriver::MemRelease(PhysicalMemHandle handle) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemRelease));
+  auto it = s.physical.find(handle.value());
+  if (it == s.physical.end() || it->second.released) {
+    return s.Misuse("cuMemRelease", cu::kErrorInvalidValue,
+                    absl::StrFormat("0x%x is not a live physical allocation "
+                                    "(double release?)",
+                                    handle.value()));
+  }
+  if (it->second.maps > 0) {
+    it->second.released = true;  // freed by the last cuMemUnmap
+    return absl::OkStatus();
+  }
+  s.devices[it->second.device].used -= it->second.bytes;
+  s.physical.erase(it);
+  return absl::OkStatus();
+}
+
+absl::Status SimDriver::MemMap(DevicePtr ptr, std::size_t bytes,
+                               std::size_t offset, PhysicalMemHandle handle) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemMap));
+  auto phys = s.physical.find(handle.value());
+  if (phys == s.physical.end() || phys->second.released) {
+    return s.Misuse("cuMemMap", cu::kErrorInvalidValue,
+                    absl::StrFormat("0x%x is not a live physical allocation",
+                                    handle.value()));
+  }
+  const std::size_t granularity =
+      s.devices[phys->second.device].spec.vmm_granularity;
+  const std::uint64_t lo = ptr.address();
+  const std::uint64_t hi = lo + bytes;
+  if (bytes == 0 || lo % granularity != 0 || bytes % granularity != 0 ||
+      offset % granularity != 0) {
+    return s.Misuse("cuMemMap", cu::kErrorInvalidValue,
+                    absl::StrFormat("address 0x%x, size %u and offset %u must "
+                                    "be multiples of the granularity %u",
+                                    lo, bytes, offset, granularity));
+  }
+  if (offset > phys->second.bytes || bytes > phys->second.bytes - offset) {
+    return s.Misuse("cuMemMap", cu::kErrorInvalidValue,
+                    absl::StrFormat("[offset %u, +%u) exceeds the physical "
+                                    "allocation of %u bytes",
+                                    offset, bytes, phys->second.bytes));
+  }
+  auto r = s.reservations.upper_bound(lo);
+  bool inside = false;
+  if (r != s.reservations.begin()) {
+    --r;
+    inside = r->first <= lo && hi <= r->first + r->second;
+  }
+  if (!inside) {
+    return s.Misuse("cuMemMap", cu::kErrorInvalidValue,
+                    absl::StrFormat("[0x%x, 0x%x) is not inside one "
+                                    "cuMemAddressReserve reservation",
+                                    lo, hi));
+  }
+  auto m = s.mappings.upper_bound(lo);
+  if (m != s.mappings.begin()) --m;
+  for (; m != s.mappings.end() && m->first < hi; ++m) {
+    if (m->first + m->second.bytes > lo) {
+      // The driver answers CUDA_ERROR_INVALID_VALUE (cuMemMap documents no
+      // CUDA_ERROR_ALREADY_MAPPED).
+      return s.Misuse("cuMemMap", cu::kErrorInvalidValue,
+                      absl::StrFormat("[0x%x, 0x%x) overlaps the mapping at "
+                                      "0x%x: already mapped",
+                                      lo, hi, m->first));
+    }
+  }
+  s.mappings.emplace(lo, State::Mapping{bytes, handle.value(), offset, false});
+  ++phys->second.maps;
+  return absl::OkStatus();
+}
+
+absl::Status SimDriver::MemUnmap(DevicePtr ptr, std::size_t bytes) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemUnmap));
+  const std::uint64_t lo = ptr.address();
+  const std::uint64_t hi = lo + bytes;
+  // [lo, hi) must be exactly a run of whole, adjacent mappings.
+  std::uint64_t cursor = lo;
+  auto m = s.mappings.find(lo);
+  auto first = m;
+  while (bytes != 0 && m != s.mappings.end() && m->first == cursor &&
+         cursor < hi) {
+    cursor += m->second.bytes;
+    ++m;
+  }
+  if (bytes == 0 || first == s.mappings.end() || cursor != hi) {
+    return s.Misuse("cuMemUnmap", cu::kErrorInvalidValue,
+                    absl::StrFormat("[0x%x, 0x%x) is not a run of whole "
+                                    "mappings (not mapped, or a partial "
+                                    "mapping)",
+                                    lo, hi));
+  }
+  std::string user = s.PendingUser(lo, hi);
+  if (!user.empty()) {
+    s.Misuse("cuMemUnmap", cu::kErrorIllegalAddress, user).IgnoreError();
+  }
+  // Erasing invalidates btree iterators: collect the keys first.
+  absl::InlinedVector<std::uint64_t, 4> keys;
+  for (auto it = first; it != m; ++it) keys.push_back(it->first);
+  for (std::uint64_t key : keys) {
+    auto it = s.mappings.find(key);
+    auto phys = s.physical.find(it->second.handle);
+    if (phys != s.physical.end() && --phys->second.maps == 0 &&
+        phys->second.released) {
+      s.devices[phys->second.device].used -= phys->second.bytes;
+      s.physical.erase(phys);
+    }
+    s.mappings.erase(it);
+  }
+  s.shadow.Forget(lo, hi);
+  return absl::OkStatus();
+}
+
+absl::Status SimDriver::MemSetAccess(DevicePtr ptr, std::size_t bytes,
+                                     int device) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemSetAccess));
+  CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuMemSetAccess", device));
+  const std::uint64_t lo = ptr.address();
+  const std::uint64_t hi = lo + bytes;
+  auto m = s.mappings.upper_bound(lo);
+  if (m != s.mappings.begin()) --m;
+  std::uint64_t cursor = lo;
+  auto first = m;
+  while (bytes != 0 && m != s.mappings.end() && m->first <= cursor &&
+         cursor < m->first + m->second.bytes && cursor < hi) {
+    cursor = m->first + m->second.bytes;
+    ++m;
+  }
+  if (bytes == 0 || cursor < hi) {
+    return s.Misuse(
+        "cuMemSetAccess", cu::kErrorInvalidValue,
+        absl::StrFormat("[0x%x, 0x%x) is not wholly mapped", lo, hi));
+  }
+  for (auto it = first; it != m; ++it) it->second.access = true;
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// Pinned host memory
+
+absl::StatusOr<void*> SimDriver::MemHostAlloc(std::size_t bytes,
+                                              unsigned flags) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemHostAlloc, bytes));
+  CTXPOOL_RETURN_IF_ERROR(s.Current("cuMemHostAlloc").status());
+  if (bytes == 0) {
+    return s.Misuse("cuMemHostAlloc", cu::kErrorInvalidValue, "zero bytes");
+  }
+  const std::size_t rounded = RoundUp(bytes, kHostPage);
+  void* p = rounded < bytes ? nullptr : std::aligned_alloc(kHostPage, rounded);
+  if (p == nullptr) {
+    return DriverError(
+        cu::kErrorOutOfMemory, "cuMemHostAlloc",
+        absl::StrFormat("host allocation of %u bytes failed", bytes));
+  }
+  s.host_ranges.emplace(reinterpret_cast<std::uintptr_t>(p),
+                        State::HostRange{bytes, true});
+  return p;
+}
+
+absl::Status SimDriver::MemFreeHost(void* ptr) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemFreeHost));
+  auto it = s.host_ranges.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == s.host_ranges.end() || !it->second.allocated) {
+    return s.Misuse(
+        "cuMemFreeHost", cu::kErrorInvalidValue,
+        absl::StrFormat("%p is not memory from cuMemHostAlloc", ptr));
+  }
+  const std::uint64_t lo = it->first;
+  const std::uint64_t hi = lo + it->second.bytes;
+  std::string user = s.PendingUser(lo, hi);
+  if (!user.empty()) {
+    s.Misuse("cuMemFreeHost", cu::kErrorIllegalAddress, user).IgnoreError();
+  }
+  s.shadow.Forget(lo, hi);
+  s.host_ranges.erase(it);
+  std::free(ptr);
+  return absl::OkStatus();
+}
+
+absl::Status SimDriver::MemHostRegister(void* ptr, std::size_t bytes,
+                                        unsigned flags) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemHostRegister, bytes));
+  CTXPOOL_RETURN_IF_ERROR(s.Current("cuMemHostRegister").status());
+  const std::uint64_t lo = reinterpret_cast<std::uintptr_t>(ptr);
+  const std::uint64_t hi = lo + bytes;
+  if (ptr == nullptr || bytes == 0 || hi < lo) {
+    return s.Misuse("cuMemHostRegister", cu::kErrorInvalidValue,
+                    "null pointer or zero bytes");
+  }
+  auto it = s.host_ranges.upper_bound(lo);
+  if (it != s.host_ranges.begin()) {
+    auto prev = std::prev(it);
+    if (prev->first + prev->second.bytes > lo) it = prev;
+  }
+  if (it != s.host_ranges.end() && it->first < hi) {
+    return s.Misuse("cuMemHostRegister", cu::kErrorHostMemoryAlreadyRegistered,
+                    absl::StrFormat("[%p, +%u) overlaps pinned memory at 0x%x",
+                                    ptr, bytes, it->first));
+  }
+  s.host_ranges.emplace(lo, State::HostRange{bytes, false});
+  return absl::OkStatus();
+}
+
+absl::Status SimDriver::MemHostUnregister(void* ptr) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemHostUnregister));
+  CTXPOOL_RETURN_IF_ERROR(s.Current("cuMemHostUnregister").status());
+  auto it = s.host_ranges.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == s.host_ranges.end() || it->second.allocated) {
+    return s.Misuse("cuMemHostUnregister", cu::kErrorHostMemoryNotRegistered,
+                    absl::StrFormat("%p was not registered with "
+                                    "cuMemHostRegister",
+                                    ptr));
+  }
+  const std::uint64_t lo = it->first;
+  const std::uint64_t hi = lo + it->second.bytes;
+  std::string user = s.PendingUser(lo, hi);
+  if (!user.empty()) {
+    s.Misuse("cuMemHostUnregister", cu::kErrorIllegalAddress, user)
+        .IgnoreError();
+  }
+  s.shadow.Forget(lo, hi);
+  s.host_ranges.erase(it);
+  return absl::OkStatus();
+}
+
+}  // namespace ctxpool
