@@ -54,6 +54,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "ctxpool/core/block.h"
+#include "ctxpool/core/fragmentation.h"
+#include "ctxpool/core/stats.h"
 #include "ctxpool/driver/driver.h"
 
 namespace ctxpool {
@@ -91,6 +94,9 @@ struct DeviceAllocatorOptions {
   std::size_t small_segment_bytes = 2 << 20;
   std::size_t large_segment_bytes = 20 << 20;
   std::size_t large_round_bytes = 2 << 20;  // larger requests round to this
+  // Large requests at least this big get a segment of their own (rounded to
+  // large_round_bytes); smaller ones share large_segment_bytes segments.
+  std::size_t large_own_segment_bytes = 10 << 20;
   // Free blocks larger than this are never split, and are used only for
   // requests larger than it (PyTorch's max_split_size_mb). Default: no limit.
   std::size_t max_split_size = std::numeric_limits<std::size_t>::max();
@@ -101,32 +107,9 @@ struct DeviceAllocatorOptions {
   OomCallback on_oom;
 };
 
-// One PyTorch-shaped statistic.
-struct Stat {
-  std::int64_t current = 0;
-  std::int64_t peak = 0;
-  std::int64_t allocated = 0;  // total increments
-  std::int64_t freed = 0;      // total decrements
-  void Add(std::int64_t n);
-  void Sub(std::int64_t n);
-};
-
-// Index into StatArray: aggregate, small pool, large pool.
-enum class StatPool : int { kAggregate = 0, kSmall = 1, kLarge = 2 };
-using StatArray = std::array<Stat, 3>;
-
-// The statistics of one pool set (whole allocator, or one stream).
-struct PoolStats {
-  StatArray allocation;       // live blocks (count)
-  StatArray segment;          // segments (count)
-  StatArray active;           // allocated or pending-free blocks (count)
-  StatArray inactive_split;   // free blocks inside partly used segments
-  StatArray allocated_bytes;  // bytes of live blocks (rounded)
-  StatArray requested_bytes;  // bytes callers asked for
-  StatArray reserved_bytes;   // bytes of segments
-  StatArray active_bytes;
-  StatArray inactive_split_bytes;
-};
+// Stat, StatPool, StatArray and PoolStats live in ctxpool/core/stats.h;
+// FragmentationStats in ctxpool/core/fragmentation.h; BlockState in
+// ctxpool/core/block.h (shared with the other allocators).
 
 struct DeviceAllocatorStats {
   PoolStats total;
@@ -141,20 +124,10 @@ struct DeviceAllocatorStats {
   std::int64_t num_host_syncs = 0;    // event/stream synchronises (OOM, Trim)
   std::int64_t invalid_frees = 0;     // foreign pointer, double free
   std::int64_t invalid_requests = 0;  // bad sizes, bad streams
+  // Streams found destroyed while the allocator still cached their memory;
+  // their work was waited for (a context synchronise) before reuse.
+  std::int64_t destroyed_streams = 0;
 };
-
-// External fragmentation and overheads at one moment.
-struct FragmentationStats {
-  std::size_t free_bytes = 0;  // cached, in free blocks
-  std::size_t largest_free_bytes = 0;
-  std::size_t free_blocks = 0;
-  double external = 0.0;  // 1 − largest_free / free (0 if none)
-  std::size_t rounding_waste_bytes = 0;  // allocated − requested
-  double rounding_waste = 0.0;           // rounding_waste_bytes / allocated
-  double reserved_over_live = 0.0;       // reserved / allocated (0 if none)
-};
-
-enum class BlockState { kAllocated, kPendingFree, kFree };
 
 struct BlockInfo {
   DevicePtr ptr;

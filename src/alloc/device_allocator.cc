@@ -1,0 +1,1254 @@
+// CachingDeviceAllocator: the implementation.
+//
+// Data structures (all guarded by Impl::mu_):
+//
+//   segments_     every Segment, by base address (owns them).
+//   streams_      one StreamState per stream seen: its free index per pool
+//                 (small, large) keyed by (size, address), and its stats.
+//   whole_free_   per pool, the wholly free segments of all streams, by
+//                 (size, base): for cross-stream reuse and for Trim.
+//   live_         allocated block by address (the pointer -> block lookup).
+//   pending_      (block, event) pairs of blocks freed while other streams
+//                 still use them (RecordStream); polled with cuEventQuery.
+//   event_pool_   idle events, reused so no free creates an event.
+//   blocks_       the recycling arena of Block objects.
+//
+// Invariants (CheckInvariants checks each one):
+//   I1  the blocks of each segment tile it exactly and are coalesced
+//       (no two neighbours free): see CheckSegmentTiling.
+//   I2  every free block is in exactly one index, its owner stream's index
+//       for its pool, under key (size, address); no other block is indexed.
+//   I3  a segment is in whole_free_[pool] <=> its only block is free.
+//   I4  live_ holds exactly the allocated blocks, keyed by their address.
+//   I5  a pending-free block has pending_events > 0, and pending_ holds
+//       exactly sum(pending_events) entries, all for pending-free blocks.
+//   I6  every stat's current value equals the sum over blocks/segments, per
+//       stream and in total:
+//         allocation     == #allocated blocks
+//         active         == #allocated + #pending-free blocks
+//         inactive_split == #free blocks in segments with more than one block
+//         segment        == #segments;  reserved_bytes == sum(segment sizes)
+//         (and the same for the *_bytes sums; requested_bytes sums the sizes
+//         callers asked for).
+//   I7  reserved == allocated + pending_free + free  (bytes, in total).
+//   I8  blocks_.live() == number of blocks in all segments.
+//
+// Hot path: Allocate looks up the stream's free index (one LowerBound), and
+// TakeBlock unlinks the block (and links a split remainder), inserts into
+// live_ (capacity reserved), and updates stats: no driver call, no heap
+// allocation once the block arena and live_ are warm. Deallocate is the
+// mirror image. Everything else (event polling, cross-stream reuse, new
+// segments, the OOM path) is the slow path, which makes the allocator's
+// context current with ScopedContext.
+#include "ctxpool/alloc/device_allocator.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/optimization.h"
+#include "absl/base/thread_annotations.h"
+#include "absl/container/btree_map.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/container/inlined_vector.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "ctxpool/core/block.h"
+#include "ctxpool/core/fragmentation.h"
+#include "ctxpool/core/free_index.h"
+#include "ctxpool/core/segment.h"
+#include "ctxpool/core/size_classes.h"
+#include "ctxpool/core/stats.h"
+#include "ctxpool/driver/cuda_errors.h"
+#include "ctxpool/status.h"
+#include "segment_backing.h"
+
+namespace ctxpool {
+namespace {
+
+using alloc_internal::BackedRange;
+using alloc_internal::ClassicBacking;
+using alloc_internal::SegmentBacking;
+
+constexpr std::size_t kInitialLiveCapacity = 4096;
+
+int PoolIndex(bool small) { return small ? 0 : 1; }
+
+// The cached state of one stream: a free index per pool and its stats.
+struct StreamState {
+  explicit StreamState(std::uint64_t s) : stream(s) {}
+  std::uint64_t stream;
+  FreeIndex<Block> free[2];  // [0] small pool, [1] large pool
+  PoolStats stats;
+  // Found destroyed (CUDA_ERROR_INVALID_HANDLE) and its work waited for:
+  // nothing can be enqueued on it any more, so its memory is idle.
+  bool destroyed = false;
+};
+
+// One event a pending-free block waits for.
+struct PendingEvent {
+  Block* block;
+  EventHandle event;
+};
+
+bool IsInvalidHandle(const absl::Status& s) {
+  std::optional<int> code = DriverErrorCode(s);
+  return code.has_value() && (*code == cu::kErrorInvalidHandle ||
+                              *code == cu::kErrorContextIsDestroyed);
+}
+
+bool IsOutOfMemory(const absl::Status& s) {
+  std::optional<int> code = DriverErrorCode(s);
+  return code.has_value() && *code == cu::kErrorOutOfMemory;
+}
+
+BlockInfo ToInfo(const Block& b) {
+  BlockInfo info;
+  info.ptr = DevicePtr(b.address);
+  info.size = b.size;
+  info.requested_bytes = b.state == BlockState::kAllocated ? b.requested : 0;
+  info.stream = StreamHandle(b.segment->stream);
+  info.state = b.state;
+  return info;
+}
+
+SizeClassConfig ToSizeConfig(const DeviceAllocatorOptions& o) {
+  SizeClassConfig c;
+  c.round_bytes = o.round_bytes;
+  c.small_size_limit = o.small_size_limit;
+  c.small_segment_bytes = o.small_segment_bytes;
+  c.large_segment_bytes = o.large_segment_bytes;
+  c.large_round_bytes = o.large_round_bytes;
+  c.large_own_segment_bytes = o.large_own_segment_bytes;
+  c.max_split_size = o.max_split_size;
+  return c;
+}
+
+bool IsPowerOfTwo(std::size_t n) { return n != 0 && (n & (n - 1)) == 0; }
+
+absl::Status ValidateOptions(const DeviceAllocatorOptions& o) {
+  if (!IsPowerOfTwo(o.round_bytes) || !IsPowerOfTwo(o.large_round_bytes)) {
+    return absl::InvalidArgumentError(
+        "round_bytes and large_round_bytes must be powers of two");
+  }
+  if (o.small_size_limit < o.round_bytes ||
+      o.small_segment_bytes < o.small_size_limit ||
+      o.small_segment_bytes % o.round_bytes != 0 ||
+      o.large_segment_bytes <= o.small_size_limit ||
+      o.large_segment_bytes % o.round_bytes != 0 ||
+      o.large_round_bytes % o.round_bytes != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "inconsistent segment sizes: round %d, small limit %d, small segment "
+        "%d, large segment %d, large round %d",
+        o.round_bytes, o.small_size_limit, o.small_segment_bytes,
+        o.large_segment_bytes, o.large_round_bytes));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string OomReport::ToString() const {
+  return absl::StrFormat(
+      "out of memory: requested %d bytes (%d rounded) on stream 0x%x; live "
+      "%d bytes, reserved %d bytes, largest free block %d bytes, "
+      "fragmentation %.3f; device free %d of %d bytes",
+      requested_bytes, rounded_bytes, stream.value(), live_bytes,
+      reserved_bytes, largest_free_bytes, fragmentation, device_free_bytes,
+      device_total_bytes);
+}
+
+class CachingDeviceAllocator::Impl {
+ public:
+  Impl(Driver& driver, int device, DeviceAllocatorOptions options,
+       ContextHandle ctx, bool owns_ctx, std::size_t device_total)
+      : driver_(driver),
+        device_(device),
+        options_(std::move(options)),
+        classes_(ToSizeConfig(options_)),
+        ctx_(ctx),
+        owns_ctx_(owns_ctx),
+        device_total_(device_total),
+        backing_(std::make_unique<ClassicBacking>(driver)) {
+    live_.reserve(kInitialLiveCapacity);
+  }
+
+  ~Impl() {
+    Reset(/*force=*/true).IgnoreError();
+    absl::MutexLock lock(&mu_);
+    {
+      ScopedContext ctx(driver_, ctx_);
+      if (ctx.status().ok()) {
+        for (EventHandle e : event_pool_) driver_.EventDestroy(e).IgnoreError();
+      }
+      event_pool_.clear();
+    }
+    if (owns_ctx_) driver_.PrimaryCtxRelease(device_).IgnoreError();
+  }
+
+  Driver& driver() const { return driver_; }
+  int device() const { return device_; }
+  const DeviceAllocatorOptions& options() const { return options_; }
+
+  // ---- Allocate / Deallocate ----------------------------------------------
+
+  absl::StatusOr<DevicePtr> Allocate(std::size_t bytes, StreamHandle stream)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    if (ABSL_PREDICT_FALSE(bytes > device_total_)) {
+      absl::MutexLock lock(&mu_);
+      ++invalid_requests_;
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "Allocate(%d bytes): larger than device %d's total memory (%d "
+          "bytes)",
+          bytes, device_, device_total_));
+    }
+    const std::size_t rounded = classes_.Round(bytes);
+    const bool small = classes_.IsSmall(rounded);
+    OomReport report;
+    {
+      absl::MutexLock lock(&mu_);
+      StreamState* ss = GetStream(stream.value());
+      if (Block* b = FindFree(ss, rounded, small)) {  // the cached hot path
+        ++cache_hits_;
+        return TakeBlock(b, rounded, bytes);
+      }
+      bool oom = false;
+      absl::StatusOr<DevicePtr> p =
+          AllocateSlow(ss, rounded, bytes, small, &report, &oom);
+      if (!oom) return p;
+    }
+    if (options_.on_oom && options_.on_oom(report)) {
+      absl::MutexLock lock(&mu_);
+      StreamState* ss = GetStream(stream.value());
+      if (Block* b = FindFree(ss, rounded, small)) {
+        ++cache_hits_;
+        return TakeBlock(b, rounded, bytes);
+      }
+      bool oom = false;
+      absl::StatusOr<DevicePtr> p =
+          AllocateSlow(ss, rounded, bytes, small, &report, &oom);
+      if (!oom) return p;
+    }
+    absl::MutexLock lock(&mu_);
+    ++num_ooms_;
+    return absl::ResourceExhaustedError(report.ToString());
+  }
+
+  absl::Status Deallocate(DevicePtr ptr) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    auto it = live_.find(ptr.address());
+    if (ABSL_PREDICT_FALSE(it == live_.end())) {
+      ++invalid_frees_;
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "Deallocate(0x%x): not the start of a live block of this allocator "
+          "(foreign pointer or double free)",
+          ptr.address()));
+    }
+    Block* b = it->second;
+    if (ABSL_PREDICT_FALSE(!b->stream_uses.empty())) {
+      return DeallocateWithUses(b);
+    }
+    live_.erase(it);
+    RemoveAllocatedStats(b);
+    FreeToIndex(b);
+    return absl::OkStatus();
+  }
+
+  absl::Status RecordStream(DevicePtr ptr, StreamHandle stream)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    auto it = live_.find(ptr.address());
+    if (it == live_.end()) {
+      ++invalid_requests_;
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "RecordStream(0x%x): not the start of a live block", ptr.address()));
+    }
+    Block* b = it->second;
+    if (stream.value() == b->segment->stream) return absl::OkStatus();
+    for (std::uint64_t s : b->stream_uses) {
+      if (s == stream.value()) return absl::OkStatus();
+    }
+    b->stream_uses.push_back(stream.value());
+    return absl::OkStatus();
+  }
+
+  // ---- Trim / Reset --------------------------------------------------------
+
+  absl::StatusOr<TrimResult> Trim(std::size_t keep_bytes)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    ScopedContext ctx(driver_, ctx_);
+    CTXPOOL_RETURN_IF_ERROR(ctx.status());
+    ++num_trims_;
+    TrimResult result;
+    SyncPending(&result.event_waits);
+    std::size_t busy_segments = 0;
+    absl::Status status =
+        ReleaseCached(nullptr, keep_bytes, &result, &busy_segments);
+    result.busy_bytes = busy_segments + PendingBytes();
+    result.remaining_bytes = Reserved();
+    if (!status.ok()) return status;
+    return result;
+  }
+
+  absl::Status Reset(bool force) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (!live_.empty() && !force) {
+      std::vector<const Block*> blocks;
+      for (const auto& [address, b] : live_) blocks.push_back(b);
+      std::sort(blocks.begin(), blocks.end(),
+                [](const Block* a, const Block* b) {
+                  return a->address < b->address;
+                });
+      std::string msg = absl::StrFormat(
+          "Reset: %d allocations are live (pass force=true to drop them):",
+          blocks.size());
+      constexpr std::size_t kMaxListed = 32;
+      for (std::size_t i = 0; i < blocks.size() && i < kMaxListed; ++i) {
+        absl::StrAppendFormat(&msg, " [ptr 0x%x, %d bytes, stream 0x%x]",
+                              blocks[i]->address, blocks[i]->size,
+                              blocks[i]->segment->stream);
+      }
+      if (blocks.size() > kMaxListed) {
+        absl::StrAppend(&msg, " ...");
+      }
+      return absl::FailedPreconditionError(msg);
+    }
+    ScopedContext ctx(driver_, ctx_);
+    if (!ctx.status().ok() && !force) return ctx.status();
+    absl::Status first_error = ctx.status();
+    auto note = [&first_error](const absl::Status& s) {
+      if (first_error.ok()) first_error = s;
+    };
+    if (ctx.status().ok()) {
+      int waits = 0;
+      SyncPending(&waits);
+      absl::flat_hash_set<std::uint64_t> idle;
+      for (const auto& [base, seg] : segments_) {
+        StreamState* owner = Owner(seg.get());
+        if (!idle.insert(owner->stream).second) continue;
+        absl::Status s = EnsureIdle(owner, &waits);
+        if (!s.ok()) {
+          if (!force) return s;
+          note(s);
+        }
+      }
+    }
+    for (const PendingEvent& p : pending_) PutEvent(p.event);
+    pending_.clear();
+    while (!segments_.empty()) {
+      Segment* seg = segments_.begin()->second.get();
+      absl::Status s = DropSegment(seg, /*free_memory=*/ctx.status().ok(),
+                                   /*keep_on_error=*/false);
+      if (!s.ok()) note(s);
+    }
+    return first_error;
+  }
+
+  // ---- Introspection -------------------------------------------------------
+
+  DeviceAllocatorStats Stats() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    DeviceAllocatorStats s;
+    s.total = total_;
+    s.per_stream.reserve(streams_.size());
+    for (const auto& [stream, ss] : streams_) {
+      s.per_stream.emplace_back(StreamHandle(stream), ss->stats);
+    }
+    std::sort(s.per_stream.begin(), s.per_stream.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    s.num_alloc_retries = num_alloc_retries_;
+    s.num_ooms = num_ooms_;
+    s.cache_hits = cache_hits_;
+    s.upstream_allocs = upstream_allocs_;
+    s.upstream_frees = upstream_frees_;
+    s.num_trims = num_trims_;
+    s.num_stream_waits = num_stream_waits_;
+    s.num_host_syncs = num_host_syncs_;
+    s.invalid_frees = invalid_frees_;
+    s.invalid_requests = invalid_requests_;
+    s.destroyed_streams = destroyed_streams_;
+    return s;
+  }
+
+  FragmentationStats Fragmentation() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    FragmentationInputs in;
+    for (const auto& [stream, ss] : streams_) {
+      for (const FreeIndex<Block>& index : ss->free) {
+        in.free_blocks += index.size();
+        if (const Block* last = index.Last()) {
+          in.largest_free_bytes = std::max(in.largest_free_bytes, last->size);
+        }
+      }
+    }
+    in.reserved_bytes = Reserved();
+    in.free_bytes = in.reserved_bytes - Current(total_.active_bytes);
+    in.allocated_bytes = Current(total_.allocated_bytes);
+    in.requested_bytes = Current(total_.requested_bytes);
+    return ComputeFragmentation(in);
+  }
+
+  AllocatorSnapshot Snapshot() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    AllocatorSnapshot snap;
+    snap.segments.reserve(segments_.size());
+    for (const auto& [base, seg] : segments_) {
+      SegmentInfo info;
+      info.base = DevicePtr(seg->base);
+      info.size = seg->size;
+      info.stream = StreamHandle(seg->stream);
+      info.small_pool = seg->small;
+      for (const Block* b = seg->first; b != nullptr; b = b->next) {
+        info.blocks.push_back(ToInfo(*b));
+      }
+      snap.segments.push_back(std::move(info));
+    }
+    return snap;
+  }
+
+  absl::StatusOr<BlockInfo> Lookup(DevicePtr ptr) const
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    auto it = live_.find(ptr.address());
+    if (it == live_.end()) {
+      return absl::NotFoundError(absl::StrFormat(
+          "0x%x is not the start of a live block", ptr.address()));
+    }
+    return ToInfo(*it->second);
+  }
+
+  void ResetPeakStats() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    total_.ResetPeaks();
+    for (auto& [stream, ss] : streams_) ss->stats.ResetPeaks();
+  }
+
+  absl::Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  // ---- Helpers on the stats ------------------------------------------------
+
+  static std::size_t Current(const StatArray& a) {
+    return static_cast<std::size_t>(a[0].current);
+  }
+  std::size_t Reserved() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return Current(total_.reserved_bytes);
+  }
+  std::size_t PendingBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return Current(total_.active_bytes) - Current(total_.allocated_bytes);
+  }
+  void Bump(StreamState* ss, StatArray PoolStats::*field, bool small,
+            std::int64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    AddStat(total_.*field, small, n);
+    AddStat(ss->stats.*field, small, n);
+  }
+  static StreamState* Owner(const Segment* seg) {
+    return static_cast<StreamState*>(seg->owner);
+  }
+
+  StreamState* GetStream(std::uint64_t stream)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    StreamState* ss = last_stream_;
+    if (ABSL_PREDICT_FALSE(ss == nullptr || ss->stream != stream)) {
+      auto it = streams_.find(stream);
+      if (it == streams_.end()) {
+        it = streams_.emplace(stream, std::make_unique<StreamState>(stream))
+                 .first;
+      }
+      ss = it->second.get();
+      last_stream_ = ss;
+    }
+    // Work is being enqueued on it, so the handle is alive (again).
+    ss->destroyed = false;
+    return ss;
+  }
+
+  // ---- Free index maintenance ----------------------------------------------
+
+  // Links a free block into its owner's index (and a wholly free segment into
+  // whole_free_), keeping inactive_split current.
+  void Index(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Segment* seg = b->segment;
+    StreamState* ss = Owner(seg);
+    ss->free[PoolIndex(seg->small)].Insert(b, b->size, b->address);
+    if (b->is_split()) {
+      Bump(ss, &PoolStats::inactive_split, seg->small, 1);
+      Bump(ss, &PoolStats::inactive_split_bytes, seg->small,
+           static_cast<std::int64_t>(b->size));
+    } else {
+      whole_free_[PoolIndex(seg->small)].Insert(seg, seg->size, seg->base);
+    }
+  }
+
+  void Unindex(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Segment* seg = b->segment;
+    StreamState* ss = Owner(seg);
+    ss->free[PoolIndex(seg->small)].Erase(b);
+    if (b->is_split()) {
+      Bump(ss, &PoolStats::inactive_split, seg->small, -1);
+      Bump(ss, &PoolStats::inactive_split_bytes, seg->small,
+           -static_cast<std::int64_t>(b->size));
+    } else {
+      whole_free_[PoolIndex(seg->small)].Erase(seg);
+    }
+  }
+
+  Block* FindFree(StreamState* ss, std::size_t rounded, bool small) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Block* b = ss->free[PoolIndex(small)].LowerBound(rounded);
+    if (b == nullptr || !classes_.CanServe(b->size, rounded)) return nullptr;
+    return b;
+  }
+
+  // Allocates from free block `b` (splitting it when worthwhile).
+  DevicePtr TakeBlock(Block* b, std::size_t rounded, std::size_t requested)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Segment* seg = b->segment;
+    StreamState* ss = Owner(seg);
+    const bool small = seg->small;
+    Unindex(b);
+    if (classes_.ShouldSplit(b->size, rounded, small)) {
+      Index(SplitBlock(b, rounded, blocks_));
+    }
+    b->state = BlockState::kAllocated;
+    b->requested = requested;
+    live_.emplace(b->address, b);
+    const auto size = static_cast<std::int64_t>(b->size);
+    Bump(ss, &PoolStats::allocation, small, 1);
+    Bump(ss, &PoolStats::active, small, 1);
+    Bump(ss, &PoolStats::allocated_bytes, small, size);
+    Bump(ss, &PoolStats::active_bytes, small, size);
+    Bump(ss, &PoolStats::requested_bytes, small,
+         static_cast<std::int64_t>(requested));
+    return DevicePtr(b->address);
+  }
+
+  // An allocated block stops being live (it becomes pending or free).
+  void RemoveAllocatedStats(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Segment* seg = b->segment;
+    StreamState* ss = Owner(seg);
+    Bump(ss, &PoolStats::allocation, seg->small, -1);
+    Bump(ss, &PoolStats::allocated_bytes, seg->small,
+         -static_cast<std::int64_t>(b->size));
+    Bump(ss, &PoolStats::requested_bytes, seg->small,
+         -static_cast<std::int64_t>(b->requested));
+    b->requested = 0;
+  }
+
+  // An allocated-or-pending block (already out of live_) becomes free:
+  // coalesce with free neighbours and index the result.
+  void FreeToIndex(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Segment* seg = b->segment;
+    StreamState* ss = Owner(seg);
+    Bump(ss, &PoolStats::active, seg->small, -1);
+    Bump(ss, &PoolStats::active_bytes, seg->small,
+         -static_cast<std::int64_t>(b->size));
+    b->state = BlockState::kFree;
+    b->pending_events = 0;
+    if (!b->stream_uses.empty()) b->stream_uses.clear();
+    if (b->prev != nullptr && b->prev->state == BlockState::kFree) {
+      Block* prev = b->prev;
+      Unindex(prev);
+      MergeNext(prev, blocks_);
+      b = prev;
+    }
+    if (b->next != nullptr && b->next->state == BlockState::kFree) {
+      Unindex(b->next);
+      MergeNext(b, blocks_);
+    }
+    Index(b);
+  }
+
+  // ---- Events --------------------------------------------------------------
+
+  absl::StatusOr<EventHandle> GetEvent() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!event_pool_.empty()) {
+      EventHandle e = event_pool_.back();
+      event_pool_.pop_back();
+      return e;
+    }
+    return driver_.EventCreate(kEventDisableTiming);
+  }
+  void PutEvent(EventHandle e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    event_pool_.push_back(e);
+  }
+
+  // The stream was destroyed: its queued work still runs, so wait for all
+  // work of the context once; after that nothing can use its memory.
+  absl::Status HandleDestroyed(StreamState* ss)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ++num_host_syncs_;
+    CTXPOOL_RETURN_IF_ERROR(driver_.CtxSynchronize());
+    if (ss != nullptr && !ss->destroyed) {
+      ss->destroyed = true;
+      ++destroyed_streams_;
+    }
+    return absl::OkStatus();
+  }
+
+  // Makes sure no work queued so far on `ss`'s stream is still running:
+  // records an event, and waits for it only if it is not already complete.
+  absl::Status EnsureIdle(StreamState* ss, int* waits)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (ss->destroyed) return absl::OkStatus();
+    CTXPOOL_ASSIGN_OR_RETURN(EventHandle e, GetEvent());
+    absl::Status s = driver_.EventRecord(e, StreamHandle(ss->stream));
+    if (!s.ok()) {
+      PutEvent(e);
+      if (IsInvalidHandle(s)) return HandleDestroyed(ss);
+      return s;
+    }
+    absl::StatusOr<bool> done = driver_.EventQuery(e);
+    if (done.ok() && !*done) {
+      ++num_host_syncs_;
+      ++*waits;
+      s = driver_.EventSynchronize(e);
+    } else {
+      s = done.status();
+    }
+    PutEvent(e);
+    return s;
+  }
+
+  // Frees a block that other streams used: one event per such stream, the
+  // block stays pending until all complete (PollPending).
+  absl::Status DeallocateWithUses(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ScopedContext ctx(driver_, ctx_);
+    CTXPOOL_RETURN_IF_ERROR(ctx.status());
+    absl::InlinedVector<EventHandle, 4> events;
+    bool need_sync = false;
+    for (std::uint64_t s : b->stream_uses) {
+      absl::StatusOr<EventHandle> e = GetEvent();
+      if (!e.ok()) {
+        need_sync = true;
+        break;
+      }
+      absl::Status st = driver_.EventRecord(*e, StreamHandle(s));
+      if (!st.ok()) {
+        PutEvent(*e);
+        need_sync = true;
+        if (IsInvalidHandle(st)) {
+          auto it = streams_.find(s);
+          if (it != streams_.end() && !it->second->destroyed) {
+            it->second->destroyed = true;
+            ++destroyed_streams_;
+          } else if (it == streams_.end()) {
+            ++destroyed_streams_;
+          }
+        }
+        break;
+      }
+      events.push_back(*e);
+    }
+    if (need_sync) {
+      // A stream could not take an event (destroyed, or the driver failed):
+      // wait for all work of the context instead.
+      ++num_host_syncs_;
+      absl::Status st = driver_.CtxSynchronize();
+      if (!st.ok()) {
+        for (EventHandle e : events) PutEvent(e);
+        return st;  // the block stays live; the caller may retry
+      }
+      for (EventHandle e : events) PutEvent(e);
+      events.clear();
+    }
+    live_.erase(b->address);
+    RemoveAllocatedStats(b);
+    if (events.empty()) {
+      FreeToIndex(b);
+      return absl::OkStatus();
+    }
+    b->state = BlockState::kPendingFree;
+    b->pending_events = static_cast<int>(events.size());
+    for (EventHandle e : events) pending_.push_back({b, e});
+    return absl::OkStatus();
+  }
+
+  // Frees the pending blocks whose events completed; with `waits` non-null,
+  // waits for incomplete ones (counting each wait). REQUIRES: context set.
+  void ProcessPending(int* waits) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::size_t i = 0;
+    while (i < pending_.size()) {
+      PendingEvent p = pending_[i];
+      absl::StatusOr<bool> done = driver_.EventQuery(p.event);
+      bool complete = !done.ok() || *done;  // an error: nothing to wait for
+      if (!complete && waits != nullptr) {
+        ++num_host_syncs_;
+        ++*waits;
+        complete = driver_.EventSynchronize(p.event).ok();
+      }
+      if (!complete) {
+        ++i;
+        continue;
+      }
+      PutEvent(p.event);
+      pending_[i] = pending_.back();
+      pending_.pop_back();
+      if (--p.block->pending_events == 0) FreeToIndex(p.block);
+    }
+  }
+  void PollPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ProcessPending(nullptr);
+  }
+  void SyncPending(int* waits) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ProcessPending(waits);
+  }
+
+  // ---- Segments
+  // --------------------------------------------------------------
+
+  // A wholly free segment of another stream that can serve the request.
+  Segment* FindStealable(StreamState* ss, std::size_t rounded, bool small)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const FreeIndex<Segment>& index = whole_free_[PoolIndex(small)];
+    for (Segment* seg = index.LowerBound(rounded); seg != nullptr;
+         seg = FreeIndex<Segment>::Next(seg)) {
+      if (Owner(seg) != ss && classes_.CanServe(seg->size, rounded)) {
+        return seg;
+      }
+    }
+    return nullptr;
+  }
+
+  // Hands wholly free `seg` to stream `to`, ordering `to`'s later work after
+  // the owner's queued work with an event: no host synchronise.
+  absl::Status MoveSegment(Segment* seg, StreamState* to)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    StreamState* from = Owner(seg);
+    if (!from->destroyed) {
+      CTXPOOL_ASSIGN_OR_RETURN(EventHandle e, GetEvent());
+      absl::Status s = driver_.EventRecord(e, StreamHandle(from->stream));
+      if (!s.ok()) {
+        PutEvent(e);
+        if (!IsInvalidHandle(s)) return s;
+        CTXPOOL_RETURN_IF_ERROR(HandleDestroyed(from));
+      } else {
+        s = driver_.StreamWaitEvent(StreamHandle(to->stream), e);
+        PutEvent(e);
+        if (!s.ok()) {
+          if (IsInvalidHandle(s)) ++invalid_requests_;
+          return s;
+        }
+        ++num_stream_waits_;
+      }
+    }
+    Block* b = seg->first;
+    Unindex(b);
+    const auto size = static_cast<std::int64_t>(seg->size);
+    AddStat(from->stats.segment, seg->small, -1);
+    AddStat(from->stats.reserved_bytes, seg->small, -size);
+    seg->owner = to;
+    seg->stream = to->stream;
+    AddStat(to->stats.segment, seg->small, 1);
+    AddStat(to->stats.reserved_bytes, seg->small, size);
+    Index(b);
+    return absl::OkStatus();
+  }
+
+  // A new segment from the backing, indexed as one free block.
+  absl::StatusOr<Block*> NewSegment(StreamState* ss, std::size_t bytes,
+                                    bool small)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    CTXPOOL_ASSIGN_OR_RETURN(BackedRange range, backing_->Allocate(bytes));
+    ++upstream_allocs_;
+    auto seg = std::make_unique<Segment>();
+    seg->base = range.base.address();
+    seg->size = range.size;
+    seg->stream = ss->stream;
+    seg->small = small;
+    seg->backing_handle = range.handle;
+    seg->owner = ss;
+    Block* b = blocks_.New();
+    b->address = seg->base;
+    b->size = seg->size;
+    b->segment = seg.get();
+    b->state = BlockState::kFree;
+    seg->first = b;
+    Bump(ss, &PoolStats::segment, small, 1);
+    Bump(ss, &PoolStats::reserved_bytes, small,
+         static_cast<std::int64_t>(seg->size));
+    segments_.emplace(seg->base, std::move(seg));
+    Index(b);
+    return b;
+  }
+
+  // With `free_memory`, returns `seg`'s range to the backing; then removes
+  // it and its blocks from the books (live blocks are dropped). When the
+  // backing fails and `keep_on_error`, the segment stays as it was.
+  // REQUIRES: no pending_ entry refers to its blocks.
+  absl::Status DropSegment(Segment* seg, bool free_memory, bool keep_on_error)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::Status s;
+    if (free_memory) {
+      s = backing_->Free(
+          BackedRange{DevicePtr(seg->base), seg->size, seg->backing_handle});
+      if (s.ok()) {
+        ++upstream_frees_;
+      } else if (keep_on_error) {
+        return s;
+      }
+    }
+    StreamState* ss = Owner(seg);
+    const bool small = seg->small;
+    for (Block* b = seg->first; b != nullptr;) {
+      Block* next = b->next;
+      switch (b->state) {
+        case BlockState::kAllocated:
+          live_.erase(b->address);
+          RemoveAllocatedStats(b);
+          [[fallthrough]];
+        case BlockState::kPendingFree:
+          Bump(ss, &PoolStats::active, small, -1);
+          Bump(ss, &PoolStats::active_bytes, small,
+               -static_cast<std::int64_t>(b->size));
+          break;
+        case BlockState::kFree:
+          Unindex(b);
+          break;
+      }
+      blocks_.Delete(b);
+      b = next;
+    }
+    Bump(ss, &PoolStats::segment, small, -1);
+    Bump(ss, &PoolStats::reserved_bytes, small,
+         -static_cast<std::int64_t>(seg->size));
+    segments_.erase(seg->base);
+    return s;
+  }
+
+  // Returns wholly free segments (of `only`, or of every stream when null) to
+  // the driver, largest first, until reserved − allocated <= keep_bytes.
+  // Waits (counted in result->event_waits) for owner streams with queued
+  // work; segments whose owner cannot be waited for are skipped and counted
+  // in *busy_bytes. REQUIRES: context set.
+  absl::Status ReleaseCached(StreamState* only, std::size_t keep_bytes,
+                             TrimResult* result, std::size_t* busy_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<Segment*> candidates;
+    for (const FreeIndex<Segment>& index : whole_free_) {
+      for (Segment* seg = index.First(); seg != nullptr;
+           seg = FreeIndex<Segment>::Next(seg)) {
+        if (only == nullptr || Owner(seg) == only) candidates.push_back(seg);
+      }
+    }
+    std::sort(candidates.begin(), candidates.end(),
+              [](const Segment* a, const Segment* b) {
+                return a->size != b->size ? a->size > b->size
+                                          : a->base < b->base;
+              });
+    absl::flat_hash_set<std::uint64_t> idle;
+    absl::flat_hash_set<std::uint64_t> busy;
+    absl::Status first_error;
+    for (Segment* seg : candidates) {
+      if (Reserved() - Current(total_.allocated_bytes) <= keep_bytes) break;
+      StreamState* owner = Owner(seg);
+      if (busy.contains(owner->stream)) {
+        *busy_bytes += seg->size;
+        continue;
+      }
+      if (!idle.contains(owner->stream)) {
+        if (!EnsureIdle(owner, &result->event_waits).ok()) {
+          busy.insert(owner->stream);
+          *busy_bytes += seg->size;
+          continue;
+        }
+        idle.insert(owner->stream);
+      }
+      const std::size_t size = seg->size;
+      absl::Status s =
+          DropSegment(seg, /*free_memory=*/true, /*keep_on_error=*/true);
+      if (!s.ok()) {
+        if (first_error.ok()) first_error = s;
+        continue;
+      }
+      result->freed_bytes += size;
+    }
+    return first_error;
+  }
+
+  // Everything after a cache miss: poll events, reuse another stream's
+  // wholly free segment, get a new segment, or go through the OOM path.
+  // Sets *oom (and fills *report) when memory ran out.
+  absl::StatusOr<DevicePtr> AllocateSlow(StreamState* ss, std::size_t rounded,
+                                         std::size_t requested, bool small,
+                                         OomReport* report, bool* oom)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ScopedContext ctx(driver_, ctx_);
+    CTXPOOL_RETURN_IF_ERROR(ctx.status());
+    if (!pending_.empty()) {
+      PollPending();
+      if (Block* b = FindFree(ss, rounded, small)) {
+        ++cache_hits_;
+        return TakeBlock(b, rounded, requested);
+      }
+    }
+    if (Segment* seg = FindStealable(ss, rounded, small)) {
+      CTXPOOL_RETURN_IF_ERROR(MoveSegment(seg, ss));
+      return TakeBlock(seg->first, rounded, requested);
+    }
+    const std::size_t segment_bytes = classes_.SegmentBytes(rounded);
+    absl::StatusOr<Block*> b = NewSegment(ss, segment_bytes, small);
+    if (b.ok()) return TakeBlock(*b, rounded, requested);
+    if (!IsOutOfMemory(b.status())) return b.status();
+
+    // Out of memory: give back this stream's cached segments, then wait for
+    // pending frees and give back everyone's, and retry once.
+    ++num_alloc_retries_;
+    TrimResult scratch;
+    std::size_t busy = 0;
+    ReleaseCached(ss, 0, &scratch, &busy).IgnoreError();
+    SyncPending(&scratch.event_waits);
+    if (Block* fit = FindFree(ss, rounded, small)) {
+      return TakeBlock(fit, rounded, requested);
+    }
+    ReleaseCached(nullptr, 0, &scratch, &busy).IgnoreError();
+    b = NewSegment(ss, segment_bytes, small);
+    if (b.ok()) return TakeBlock(*b, rounded, requested);
+    if (!IsOutOfMemory(b.status())) return b.status();
+
+    *oom = true;
+    report->requested_bytes = requested;
+    report->rounded_bytes = rounded;
+    report->stream = StreamHandle(ss->stream);
+    report->live_bytes = Current(total_.allocated_bytes);
+    report->reserved_bytes = Reserved();
+    std::size_t largest = 0;
+    std::size_t free_bytes = 0;
+    for (const auto& [stream, state] : streams_) {
+      for (const FreeIndex<Block>& index : state->free) {
+        if (const Block* last = index.Last()) {
+          largest = std::max(largest, last->size);
+        }
+      }
+    }
+    free_bytes = Reserved() - Current(total_.active_bytes);
+    report->largest_free_bytes = largest;
+    report->fragmentation = free_bytes == 0
+                                ? 0.0
+                                : 1.0 - static_cast<double>(largest) /
+                                            static_cast<double>(free_bytes);
+    absl::StatusOr<MemInfo> info = driver_.MemGetInfo();
+    if (info.ok()) {
+      report->device_free_bytes = info->free_bytes;
+      report->device_total_bytes = info->total_bytes;
+    } else {
+      report->device_total_bytes = device_total_;
+    }
+    return absl::ResourceExhaustedError(report->ToString());
+  }
+
+  Driver& driver_;
+  const int device_;
+  const DeviceAllocatorOptions options_;
+  const SizeClasses classes_;
+  const ContextHandle ctx_;
+  const bool owns_ctx_;
+  const std::size_t device_total_;
+  const std::unique_ptr<SegmentBacking> backing_;
+
+  mutable absl::Mutex mu_;
+  BlockPool blocks_ ABSL_GUARDED_BY(mu_);
+  absl::btree_map<std::uint64_t, std::unique_ptr<Segment>> segments_
+      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::uint64_t, std::unique_ptr<StreamState>> streams_
+      ABSL_GUARDED_BY(mu_);
+  StreamState* last_stream_ ABSL_GUARDED_BY(mu_) = nullptr;
+  FreeIndex<Segment> whole_free_[2] ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::uint64_t, Block*> live_ ABSL_GUARDED_BY(mu_);
+  std::vector<PendingEvent> pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<EventHandle> event_pool_ ABSL_GUARDED_BY(mu_);
+
+  PoolStats total_ ABSL_GUARDED_BY(mu_);
+  std::int64_t num_alloc_retries_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t num_ooms_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t cache_hits_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t upstream_allocs_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t upstream_frees_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t num_trims_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t num_stream_waits_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t num_host_syncs_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t invalid_frees_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t invalid_requests_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t destroyed_streams_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+namespace {
+
+absl::Status CompareStats(const PoolStats& want, const PoolStats& got,
+                          absl::string_view who) {
+  static constexpr const char* kNames[] = {
+      "allocation",     "segment",         "active",
+      "inactive_split", "allocated_bytes", "requested_bytes",
+      "reserved_bytes", "active_bytes",    "inactive_split_bytes"};
+  std::vector<const StatArray*> w;
+  std::vector<const StatArray*> g;
+  want.ForEach([&](const StatArray& a) { w.push_back(&a); });
+  got.ForEach([&](const StatArray& a) { g.push_back(&a); });
+  for (std::size_t i = 0; i < w.size(); ++i) {
+    for (int p = 0; p < 3; ++p) {
+      const Stat& ws = (*w[i])[p];
+      const Stat& gs = (*g[i])[p];
+      if (ws.current != gs.current) {
+        return absl::InternalError(absl::StrFormat(
+            "I6: %s stat %s[%d].current is %d but the blocks sum to %d", who,
+            kNames[i], p, gs.current, ws.current));
+      }
+      if (gs.current < 0 || gs.peak < gs.current ||
+          gs.current != gs.allocated - gs.freed) {
+        return absl::InternalError(absl::StrFormat(
+            "%s stat %s[%d]: current %d, peak %d, allocated %d, freed %d", who,
+            kNames[i], p, gs.current, gs.peak, gs.allocated, gs.freed));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
+  absl::MutexLock lock(&mu_);
+  PoolStats total;
+  absl::flat_hash_map<std::uint64_t, PoolStats> per_stream;
+  std::size_t free_blocks = 0;
+  std::size_t whole_free_segments = 0;
+  std::size_t blocks = 0;
+  std::size_t allocated_blocks = 0;
+  std::size_t pending_events = 0;
+  std::size_t free_bytes = 0;
+  std::size_t pending_bytes = 0;
+  auto add = [&](std::uint64_t stream, StatArray PoolStats::*field, bool small,
+                 std::int64_t n) {
+    AddStat(total.*field, small, n);
+    AddStat(per_stream[stream].*field, small, n);
+  };
+  for (const auto& [base, seg_ptr] : segments_) {
+    const Segment& seg = *seg_ptr;
+    if (seg.base != base) {
+      return absl::InternalError(
+          absl::StrFormat("segment keyed 0x%x has base 0x%x", base, seg.base));
+    }
+    CTXPOOL_RETURN_IF_ERROR(CheckSegmentTiling(seg));  // I1
+    const StreamState* ss = Owner(&seg);
+    auto sit = streams_.find(seg.stream);
+    if (ss == nullptr || sit == streams_.end() || sit->second.get() != ss) {
+      return absl::InternalError(
+          absl::StrFormat("segment 0x%x: owner is not the state of stream 0x%x",
+                          seg.base, seg.stream));
+    }
+    const std::uint64_t s = seg.stream;
+    add(s, &PoolStats::segment, seg.small, 1);
+    add(s, &PoolStats::reserved_bytes, seg.small,
+        static_cast<std::int64_t>(seg.size));
+    const bool whole = seg.wholly_free();
+    if (whole != whole_free_[PoolIndex(seg.small)].Contains(&seg)) {  // I3
+      return absl::InternalError(absl::StrFormat(
+          "I3: segment 0x%x wholly free = %d but whole-free index says %d",
+          seg.base, whole, !whole));
+    }
+    if (whole) {
+      ++whole_free_segments;
+      if (seg.key_size() != seg.size || seg.key_address() != seg.base) {
+        return absl::InternalError("I3: whole-free segment key mismatch");
+      }
+    }
+    const FreeIndex<Block>& index = ss->free[PoolIndex(seg.small)];
+    for (const Block* b = seg.first; b != nullptr; b = b->next) {
+      ++blocks;
+      const auto size = static_cast<std::int64_t>(b->size);
+      switch (b->state) {
+        case BlockState::kAllocated: {
+          ++allocated_blocks;
+          auto it = live_.find(b->address);
+          if (it == live_.end() || it->second != b || b->linked() ||
+              b->requested > b->size || b->pending_events != 0) {  // I4
+            return absl::InternalError(absl::StrFormat(
+                "I4: allocated block 0x%x not live, indexed or oversized",
+                b->address));
+          }
+          add(s, &PoolStats::allocation, seg.small, 1);
+          add(s, &PoolStats::allocated_bytes, seg.small, size);
+          add(s, &PoolStats::requested_bytes, seg.small,
+              static_cast<std::int64_t>(b->requested));
+          add(s, &PoolStats::active, seg.small, 1);
+          add(s, &PoolStats::active_bytes, seg.small, size);
+          break;
+        }
+        case BlockState::kPendingFree:
+          if (b->pending_events <= 0 || b->linked() ||
+              live_.contains(b->address)) {  // I5
+            return absl::InternalError(absl::StrFormat(
+                "I5: pending block 0x%x has %d events, linked %d", b->address,
+                b->pending_events, b->linked()));
+          }
+          pending_events += static_cast<std::size_t>(b->pending_events);
+          pending_bytes += b->size;
+          add(s, &PoolStats::active, seg.small, 1);
+          add(s, &PoolStats::active_bytes, seg.small, size);
+          break;
+        case BlockState::kFree:
+          ++free_blocks;
+          free_bytes += b->size;
+          if (!index.Contains(b) || b->key_size() != b->size ||
+              b->key_address() != b->address) {  // I2
+            return absl::InternalError(absl::StrFormat(
+                "I2: free block 0x%x (%d bytes) is not in its stream's index "
+                "under its key",
+                b->address, b->size));
+          }
+          if (live_.contains(b->address)) {
+            return absl::InternalError(
+                absl::StrFormat("I4: free block 0x%x is live", b->address));
+          }
+          if (b->is_split()) {
+            add(s, &PoolStats::inactive_split, seg.small, 1);
+            add(s, &PoolStats::inactive_split_bytes, seg.small, size);
+          }
+          break;
+      }
+    }
+  }
+  std::size_t indexed = 0;
+  for (const auto& [stream, ss] : streams_) {
+    for (const FreeIndex<Block>& index : ss->free) {
+      indexed += index.size();
+      std::string error = index.Validate();
+      if (!error.empty()) {
+        return absl::InternalError(absl::StrFormat(
+            "I2: free index of stream 0x%x: %s", stream, error));
+      }
+    }
+    auto it = per_stream.find(stream);
+    CTXPOOL_RETURN_IF_ERROR(
+        CompareStats(it == per_stream.end() ? PoolStats() : it->second,
+                     ss->stats, absl::StrFormat("stream 0x%x", stream)));
+  }
+  if (indexed != free_blocks) {  // I2: nothing else is indexed
+    return absl::InternalError(absl::StrFormat(
+        "I2: %d blocks indexed but %d free blocks", indexed, free_blocks));
+  }
+  std::size_t whole_indexed = 0;
+  for (const FreeIndex<Segment>& index : whole_free_) {
+    whole_indexed += index.size();
+    std::string error = index.Validate();
+    if (!error.empty()) {
+      return absl::InternalError(
+          absl::StrFormat("I3: whole-free index: %s", error));
+    }
+  }
+  if (whole_indexed != whole_free_segments) {
+    return absl::InternalError(
+        absl::StrFormat("I3: %d segments indexed as wholly free, %d are",
+                        whole_indexed, whole_free_segments));
+  }
+  if (live_.size() != allocated_blocks) {  // I4
+    return absl::InternalError(
+        absl::StrFormat("I4: %d live entries but %d allocated blocks",
+                        live_.size(), allocated_blocks));
+  }
+  if (pending_.size() != pending_events) {  // I5
+    return absl::InternalError(
+        absl::StrFormat("I5: %d pending events queued, blocks expect %d",
+                        pending_.size(), pending_events));
+  }
+  for (const PendingEvent& p : pending_) {
+    if (p.block->state != BlockState::kPendingFree) {
+      return absl::InternalError(absl::StrFormat(
+          "I5: pending event for block 0x%x that is not pending",
+          p.block->address));
+    }
+  }
+  CTXPOOL_RETURN_IF_ERROR(CompareStats(total, total_, "total"));  // I6
+  const std::size_t reserved = Current(total_.reserved_bytes);
+  const std::size_t allocated = Current(total_.allocated_bytes);
+  if (reserved != allocated + pending_bytes + free_bytes) {  // I7
+    return absl::InternalError(absl::StrFormat(
+        "I7: reserved %d != allocated %d + pending %d + free %d", reserved,
+        allocated, pending_bytes, free_bytes));
+  }
+  if (blocks_.live() != blocks) {  // I8
+    return absl::InternalError(
+        absl::StrFormat("I8: %d blocks from the arena, %d in segments",
+                        blocks_.live(), blocks));
+  }
+  return absl::OkStatus();
+}
+
+// ---- CachingDeviceAllocator ------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<CachingDeviceAllocator>>
+CachingDeviceAllocator::Create(Driver& driver, int device,
+                               DeviceAllocatorOptions options) {
+  CTXPOOL_RETURN_IF_ERROR(ValidateOptions(options));
+  if (options.backing == BackingMode::kExpandable) {
+    return absl::UnimplementedError(
+        "BackingMode::kExpandable (VMM expandable segments) is not available "
+        "yet; use BackingMode::kClassic");
+  }
+  CTXPOOL_ASSIGN_OR_RETURN(std::size_t total, driver.DeviceTotalMem(device));
+  ContextHandle ctx = options.context;
+  bool owns_ctx = false;
+  if (ctx.is_null()) {
+    CTXPOOL_ASSIGN_OR_RETURN(ctx, driver.PrimaryCtxRetain(device));
+    owns_ctx = true;
+  }
+  auto impl = std::make_unique<Impl>(driver, device, std::move(options), ctx,
+                                     owns_ctx, total);
+  return std::unique_ptr<CachingDeviceAllocator>(
+      new CachingDeviceAllocator(std::move(impl)));
+}
+
+CachingDeviceAllocator::CachingDeviceAllocator(std::unique_ptr<Impl> impl)
+    : impl_(std::move(impl)) {}
+
+CachingDeviceAllocator::~CachingDeviceAllocator() = default;
+
+absl::StatusOr<DevicePtr> CachingDeviceAllocator::Allocate(
+    std::size_t bytes, StreamHandle stream) {
+  return impl_->Allocate(bytes, stream);
+}
+absl::Status CachingDeviceAllocator::Deallocate(DevicePtr ptr) noexcept {
+  return impl_->Deallocate(ptr);
+}
+absl::Status CachingDeviceAllocator::RecordStream(DevicePtr ptr,
+                                                  StreamHandle stream) {
+  return impl_->RecordStream(ptr, stream);
+}
+absl::StatusOr<TrimResult> CachingDeviceAllocator::Trim(
+    std::size_t keep_bytes) {
+  return impl_->Trim(keep_bytes);
+}
+absl::Status CachingDeviceAllocator::Reset(bool force) {
+  return impl_->Reset(force);
+}
+DeviceAllocatorStats CachingDeviceAllocator::Stats() const {
+  return impl_->Stats();
+}
+FragmentationStats CachingDeviceAllocator::Fragmentation() const {
+  return impl_->Fragmentation();
+}
+AllocatorSnapshot CachingDeviceAllocator::Snapshot() const {
+  return impl_->Snapshot();
+}
+absl::StatusOr<BlockInfo> CachingDeviceAllocator::Lookup(DevicePtr ptr) const {
+  return impl_->Lookup(ptr);
+}
+void CachingDeviceAllocator::ResetPeakStats() { impl_->ResetPeakStats(); }
+absl::Status CachingDeviceAllocator::CheckInvariants() const {
+  return impl_->CheckInvariants();
+}
+int CachingDeviceAllocator::device() const { return impl_->device(); }
+Driver& CachingDeviceAllocator::driver() const { return impl_->driver(); }
+const DeviceAllocatorOptions& CachingDeviceAllocator::options() const {
+  return impl_->options();
+}
+
+}  // namespace ctxpool
