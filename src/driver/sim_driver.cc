@@ -1334,6 +1334,13 @@ absl::Status SimDriver::CtxSynchronize() {
   CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx, s.Current("cuCtxSynchronize"));
   std::vector<std::uint32_t> all = ctx->streams;
   all.push_back(ctx->legacy_stream);
+  // A destroyed stream's queued work still runs; cuCtxSynchronize waits for
+  // it too (as CUDA does).
+  for (std::uint32_t i = 0; i < s.streams.size(); ++i) {
+    if (s.streams[i].destroyed && s.streams[i].ctx == ctx->handle.value()) {
+      all.push_back(i);
+    }
+  }
   for (std::uint32_t index : all) {
     const State::Stream& stream = s.streams[index];
     if (stream.completed != stream.enqueued) {
