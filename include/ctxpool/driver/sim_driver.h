@@ -42,12 +42,44 @@
 //   *sim->EventQuery(e);   // true
 //
 // Thread-safety: every method is thread-safe (one internal mutex). Host funcs
-// run on the thread whose call completed their work, without the mutex held.
-// The blocking calls (StreamSynchronize, EventSynchronize, CtxSynchronize)
-// on work that a held stream keeps pending do not deadlock: they fail with
-// CUDA_ERROR_NOT_READY and count a misuse ("would block forever"); call
-// Release first. cuMemFree does not wait for held streams; a held access to
-// the freed range is reported as a use after free (a misuse).
+// run outside the mutex, in completion order, one at a time (like the
+// driver's callback thread): on the thread whose call completed their work,
+// or on the thread already running host funcs. A host func may call the
+// driver. The blocking calls (StreamSynchronize, EventSynchronize,
+// CtxSynchronize) on work that a held stream keeps pending do not deadlock:
+// they fail with CUDA_ERROR_NOT_READY and count a misuse ("would block
+// forever"); call Release first. cuMemFree does not wait for held streams; a
+// held access to the freed range is reported as a use after free (a misuse;
+// the free itself still succeeds, as on the driver, which would have waited).
+//
+// Choices where the driver is silent or SimDriver is stricter:
+//   * Addresses: one bump pointer per SimDriver, starting at 2^52 (far from
+//     host addresses), for cuMemAlloc and cuMemAddressReserve alike; an
+//     address is never reused within one SimDriver, so stale pointers are
+//     always caught. Handles are counters with a base per kind.
+//   * Current context: a per-thread stack per SimDriver. Memory, stream,
+//     event and pinned-host calls need a live current context
+//     (CUDA_ERROR_INVALID_CONTEXT without one, CUDA_ERROR_CONTEXT_IS_DESTROYED
+//     when it was destroyed or its primary context fully released). VMM calls
+//     name their device and need none. The last primary release (and
+//     cuCtxDestroy) destroys the context's streams and events and frees the
+//     cuMemAlloc memory it still owns, as the driver does.
+//   * The null stream is the context's legacy default stream: its work waits
+//     for all earlier work of the context's blocking streams (created without
+//     kStreamNonBlocking), and theirs waits for it.
+//   * VMM: cuMemCreate, cuMemAddressReserve and cuMemMap sizes, addresses
+//     and offsets must be multiples of the granularity; a map must lie in one
+//     reservation and must not overlap a mapping (all CUDA_ERROR_INVALID_VALUE,
+//     the error cuMemMap documents; CUDA_ERROR_ALREADY_MAPPED is not used).
+//     cuMemUnmap takes a run of whole mappings. cuMemRelease of a mapped
+//     handle frees the memory at its last unmap. cuMemAddressFree takes a
+//     whole reservation with nothing mapped.
+//   * Capacity: cuMemAlloc charges its size rounded up to alloc_alignment;
+//     running out is CUDA_ERROR_OUT_OF_MEMORY and never a misuse.
+//   * The race detector checks logical order only (stream order, event
+//     waits, legacy-stream barriers, host synchronisation), not which work
+//     happened to complete first, so a race is found even when holds are not
+//     used. The host's clock is shared by all threads.
 #ifndef CTXPOOL_DRIVER_SIM_DRIVER_H_
 #define CTXPOOL_DRIVER_SIM_DRIVER_H_
 
@@ -86,8 +118,10 @@ struct SimDeviceSpec {
 };
 
 // Presets: "h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", "a10-24gb",
-// "l4-24gb", "t4-16gb", "v100-32gb", "rtx4090-24gb". Returns NOT_FOUND with
-// the list of names otherwise.
+// "l4-24gb", "t4-16gb", "v100-32gb", "rtx4090-24gb" (case-insensitive). The
+// capacity is the nominal size in GiB (80 GiB for "h100-80gb"); names and
+// compute capabilities are the real ones. Returns NOT_FOUND with the list of
+// names otherwise.
 absl::StatusOr<SimDeviceSpec> SimDevicePreset(absl::string_view name);
 // The preset names, in a stable order.
 std::vector<std::string> SimDevicePresetNames();
@@ -150,14 +184,21 @@ struct SimRace {
 class SimDriver final : public Driver {
  public:
   static std::unique_ptr<SimDriver> Create(SimOptions options = {});
-  // Parses "sim", "sim:h100-80gb", "sim:2xa10-24gb" or "sim:24GiB" (a
-  // custom capacity with default other fields).
+  // Parses "sim" (one h100-80gb), "sim:h100-80gb", "sim:2xa10-24gb" or
+  // "sim:24GiB" / "sim:2x24GiB" (a custom capacity with default other
+  // fields). Capacity units: KiB, MiB, GiB, TiB (powers of 1024) and KB, MB,
+  // GB, TB (powers of 1000: "24GB" is 24e9 bytes), case-insensitive. Returns
+  // INVALID_ARGUMENT naming the accepted forms otherwise.
   static absl::StatusOr<std::unique_ptr<SimDriver>> CreateFromSpec(
       absl::string_view spec);
 
   ~SimDriver() override;
 
   // ---- Stream clock --------------------------------------------------------
+  // The four calls below accept destroyed streams (their pending work still
+  // completes). The null handle means the current context's legacy stream.
+  // An unknown handle counts a misuse and does nothing.
+  //
   // Work enqueued on `stream` from now on stays pending until Advance/Release.
   void Hold(StreamHandle stream);
   // Completes up to `ops` pending operations of a held stream (in order; an
@@ -171,14 +212,18 @@ class SimDriver final : public Driver {
   std::size_t PendingOps(StreamHandle stream) const;
 
   // ---- Work and the race detector -----------------------------------------
-  // A simulated kernel that reads and writes [ptr, ptr + bytes) on `stream`.
+  // A simulated kernel that reads and writes [ptr, ptr + bytes) on `stream`,
+  // stream-ordered like any work (pending while the stream is held).
+  // REQUIRES: a current context; `stream` live (else INVALID_HANDLE).
   // Fails with CUDA_ERROR_ILLEGAL_ADDRESS (and a misuse) when the range is not
-  // wholly inside memory that is allocated (cuMemAlloc) or mapped with access.
+  // wholly inside one cuMemAlloc allocation, inside mappings with access
+  // (cuMemSetAccess), or inside pinned host memory. bytes == 0 is a no-op.
   absl::Status Touch(StreamHandle stream, DevicePtr ptr, std::size_t bytes);
   // Races found so far (capped at 1000 stored; race_count() keeps counting).
   std::vector<SimRace> Races() const;
   std::uint64_t race_count() const;
-  // Turn the detector off for benchmarks (it is on by default).
+  // Turn the detector off for benchmarks (it is on by default). Clocks are
+  // still kept; only the shadow memory is skipped.
   void SetRaceDetection(bool enabled);
 
   // ---- Misuse --------------------------------------------------------------
