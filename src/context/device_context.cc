@@ -1,0 +1,472 @@
+#include "ctxpool/context/device_context.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "ctxpool/options.h"
+#include "ctxpool/status.h"
+
+namespace ctxpool {
+namespace {
+
+int PriorityIndex(StreamPriority p) {
+  return p == StreamPriority::kHigh ? 1 : 0;
+}
+
+std::string Mib(std::size_t bytes) {
+  return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+}
+
+// Applies CTXPOOL_BACKING and CTXPOOL_MAX_SPLIT_BYTES to `options`.
+absl::Status ApplyOptionTable(Driver& driver, int device,
+                              DeviceAllocatorOptions& options) {
+  const std::string backing =
+      absl::AsciiStrToLower(GetOption(OptionId::kBacking));
+  if (backing == "classic") {
+    options.backing = BackingMode::kClassic;
+  } else if (backing == "expandable") {
+    options.backing = BackingMode::kExpandable;
+  } else if (backing == "auto") {
+    absl::StatusOr<int> vmm = driver.DeviceGetAttribute(
+        DeviceAttribute::kVirtualMemoryManagementSupported, device);
+    options.backing = vmm.ok() && *vmm != 0 ? BackingMode::kExpandable
+                                            : BackingMode::kClassic;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CTXPOOL_BACKING: '", backing,
+                     "' is not one of classic, expandable, auto"));
+  }
+  CTXPOOL_ASSIGN_OR_RETURN(std::size_t max_split,
+                           GetOptionBytes(OptionId::kMaxSplitBytes));
+  if (max_split != 0) options.max_split_size = max_split;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string ContextReport::ToString() const {
+  std::string out = absl::StrFormat("device %d: %s (%s), %s total\n", device,
+                                    device_name, driver, Mib(total_bytes));
+  if (primary_was_active) {
+    absl::StrAppend(&out,
+                    "  primary context: already active (retained first by "
+                    "another component of this process); free ",
+                    Mib(free_after_retain_bytes), "\n");
+  } else {
+    absl::StrAppend(&out, "  primary context: ", Mib(context_bytes), " (free ",
+                    Mib(free_before_retain_bytes), " before, ",
+                    Mib(free_after_retain_bytes), " after the first retain)\n");
+  }
+  absl::StrAppendFormat(
+      &out,
+      "  limits: stack %d B/thread, malloc heap %s, printf FIFO %s; stream "
+      "priorities %d (low) .. %d (high)\n",
+      limits.stack_size, Mib(limits.malloc_heap_size),
+      Mib(limits.printf_fifo_size), priorities.least, priorities.greatest);
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<DeviceContext>> DeviceContext::Create(
+    Driver& driver, int device, DeviceContextOptions options) {
+  CTXPOOL_ASSIGN_OR_RETURN(int count, driver.DeviceCount());
+  if (device < 0 || device >= count) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "DeviceContext::Create: device ", device, " does not exist (the ",
+        driver.Kind(), " driver has ", count, " device(s))"));
+  }
+  DeviceAllocatorOptions alloc_options = options.allocator;
+  if (options.use_option_table) {
+    CTXPOOL_RETURN_IF_ERROR(ApplyOptionTable(driver, device, alloc_options));
+  }
+  int reserve = options.stream_pool_reserve;
+  if (reserve < 0) {
+    CTXPOOL_ASSIGN_OR_RETURN(std::int64_t r,
+                             GetOptionInt(OptionId::kStreamPoolReserve));
+    reserve = static_cast<int>(std::clamp<std::int64_t>(r, 0, 1024));
+  }
+
+  ContextReport report;
+  report.device = device;
+  report.driver = driver.Describe();
+  CTXPOOL_ASSIGN_OR_RETURN(report.device_name, driver.DeviceName(device));
+  CTXPOOL_ASSIGN_OR_RETURN(report.total_bytes, driver.DeviceTotalMem(device));
+  CTXPOOL_ASSIGN_OR_RETURN(PrimaryContextState state,
+                           driver.PrimaryCtxGetState(device));
+  report.primary_was_active = state.active;
+
+  // The one retain of the process's lifetime of this object.
+  CTXPOOL_ASSIGN_OR_RETURN(ContextHandle ctx, driver.PrimaryCtxRetain(device));
+  absl::Status s = [&]() -> absl::Status {
+    ScopedContext guard(driver, ctx);
+    CTXPOOL_RETURN_IF_ERROR(guard.status());
+    CTXPOOL_ASSIGN_OR_RETURN(MemInfo info, driver.MemGetInfo());
+    report.free_after_retain_bytes = info.free_bytes;
+    if (report.primary_was_active) {
+      report.free_before_retain_bytes = info.free_bytes;
+      report.context_bytes = 0;
+    } else {
+      report.free_before_retain_bytes = report.total_bytes;
+      report.context_bytes = report.total_bytes > info.free_bytes
+                                 ? report.total_bytes - info.free_bytes
+                                 : 0;
+    }
+    CTXPOOL_ASSIGN_OR_RETURN(report.priorities,
+                             driver.StreamGetPriorityRange());
+    return absl::OkStatus();
+  }();
+  if (!s.ok()) {
+    driver.PrimaryCtxRelease(device).IgnoreError();
+    return s;
+  }
+
+  std::unique_ptr<DeviceContext> dc(
+      new DeviceContext(driver, device, ctx, std::move(report)));
+  absl::StatusOr<ContextLimits> limits = dc->ReadLimits();
+  if (limits.ok()) {
+    dc->report_.limits = *limits;
+  }
+  // A driver may not support every limit query; the report then shows 0.
+  alloc_options.context = ctx;
+  absl::StatusOr<std::unique_ptr<CachingDeviceAllocator>> allocator =
+      CachingDeviceAllocator::Create(driver, device, alloc_options);
+  if (!allocator.ok()) return allocator.status();  // ~DeviceContext releases
+  dc->allocator_ = std::move(allocator).value();
+
+  if (reserve > 0) {
+    for (StreamPriority p : {StreamPriority::kLow, StreamPriority::kHigh}) {
+      CTXPOOL_ASSIGN_OR_RETURN(std::vector<StreamHandle> streams,
+                               dc->LeaseStreams(reserve, p));
+      dc->ReturnStreams(streams);
+      absl::MutexLock lock(&dc->mu_);
+      dc->stats_.stream_leases -= reserve;  // not a lease to anyone
+    }
+  }
+  return dc;
+}
+
+DeviceContext::DeviceContext(Driver& driver, int device, ContextHandle context,
+                             ContextReport report)
+    : driver_(driver),
+      device_(device),
+      context_(context),
+      report_(std::move(report)),
+      high_priority_(report_.priorities.greatest),
+      low_priority_(report_.priorities.least) {
+  stats_.primary_retains = 1;
+}
+
+DeviceContext::~DeviceContext() {
+  if (fork_guard_.InForkedChild()) {
+    // The driver state belongs to the parent: touch nothing, leak it all.
+    (void)allocator_.release();
+    return;
+  }
+  std::vector<StreamHandle> streams;
+  std::vector<EventHandle> events;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!sessions_.empty()) {
+      std::fprintf(stderr,
+                   "ctxpool: DeviceContext for device %d destroyed with %d "
+                   "open session(s); destroy sessions first\n",
+                   device_, static_cast<int>(sessions_.size()));
+    }
+    for (auto& pool : idle_streams_) {
+      streams.insert(streams.end(), pool.begin(), pool.end());
+      pool.clear();
+    }
+    events.swap(idle_events_);
+  }
+  {
+    ScopedContext guard(driver_, context_);
+    if (guard.status().ok()) {
+      allocator_.reset();  // returns its memory to the driver
+      for (EventHandle e : events) driver_.EventDestroy(e).IgnoreError();
+      for (StreamHandle s : streams) driver_.StreamDestroy(s).IgnoreError();
+    } else {
+      (void)allocator_.release();
+    }
+  }
+  driver_.PrimaryCtxRelease(device_).IgnoreError();
+}
+
+absl::StatusOr<std::unique_ptr<ModelSession>> DeviceContext::OpenSession(
+    absl::string_view name, SessionOptions options) {
+  CTXPOOL_RETURN_IF_ERROR(CheckFork("DeviceContext::OpenSession"));
+  if (name.empty()) {
+    return absl::InvalidArgumentError(
+        "DeviceContext::OpenSession: the model name is empty");
+  }
+  int streams = 0;
+  if (options.streams.has_value()) {
+    streams = *options.streams;
+  } else {
+    CTXPOOL_ASSIGN_OR_RETURN(std::int64_t n,
+                             GetOptionInt(OptionId::kSessionStreams));
+    streams = static_cast<int>(std::clamp<std::int64_t>(n, 0, 1024));
+  }
+  if (streams < 1 || streams > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DeviceContext::OpenSession('", name, "'): ", streams,
+                     " streams; a session needs 1 to 1024"));
+  }
+  ModelSession::Budget budget;
+  auto resolve = [](const std::optional<std::size_t>& v,
+                    OptionId id) -> absl::StatusOr<std::size_t> {
+    if (v.has_value()) return *v;
+    return GetOptionBytes(id);
+  };
+  CTXPOOL_ASSIGN_OR_RETURN(
+      budget.min_bytes, resolve(options.min_bytes, OptionId::kSessionMinBytes));
+  CTXPOOL_ASSIGN_OR_RETURN(
+      budget.high_bytes,
+      resolve(options.high_bytes, OptionId::kSessionHighBytes));
+  CTXPOOL_ASSIGN_OR_RETURN(
+      budget.max_bytes, resolve(options.max_bytes, OptionId::kSessionMaxBytes));
+  if (budget.max_bytes != 0 && budget.min_bytes > budget.max_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "DeviceContext::OpenSession('", name, "'): budget min ",
+        budget.min_bytes, " B exceeds max ", budget.max_bytes, " B"));
+  }
+  auto name_taken = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const ModelSession* s : sessions_) {
+      if (s->name() == name) return true;
+    }
+    return false;
+  };
+  auto duplicate = [&] {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DeviceContext::OpenSession: model '", name,
+                     "' already has an open session on device ", device_));
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    if (name_taken()) return duplicate();
+  }
+  CTXPOOL_ASSIGN_OR_RETURN(std::vector<StreamHandle> leased,
+                           LeaseStreams(streams, options.priority));
+  std::unique_ptr<ModelSession> session(
+      new ModelSession(this, std::string(name), std::move(leased), budget));
+  bool lost_race = false;
+  {
+    absl::MutexLock lock(&mu_);
+    lost_race = name_taken();
+    if (!lost_race) {
+      sessions_.push_back(session.get());
+      ++stats_.sessions_opened;
+      stats_.open_sessions = static_cast<int>(sessions_.size());
+      ++model_totals_[session->name()].sessions;
+    }
+  }
+  if (lost_race) {
+    // Another OpenSession of the same name registered first.
+    ReturnStreams(std::vector<StreamHandle>(session->streams().begin(),
+                                            session->streams().end()));
+    absl::MutexLock session_lock(&session->mu_);
+    session->closed_ = true;  // nothing to close: never registered
+    return duplicate();
+  }
+  return session;
+}
+
+absl::Status DeviceContext::MakeCurrent() {
+  CTXPOOL_RETURN_IF_ERROR(CheckFork("DeviceContext::MakeCurrent"));
+  return driver_.CtxSetCurrent(context_);
+}
+
+absl::StatusOr<ContextLimits> DeviceContext::ReadLimits() const {
+  ScopedContext guard(driver_, context_);
+  CTXPOOL_RETURN_IF_ERROR(guard.status());
+  ContextLimits limits;
+  CTXPOOL_ASSIGN_OR_RETURN(limits.stack_size,
+                           driver_.CtxGetLimit(ContextLimit::kStackSize));
+  CTXPOOL_ASSIGN_OR_RETURN(limits.malloc_heap_size,
+                           driver_.CtxGetLimit(ContextLimit::kMallocHeapSize));
+  CTXPOOL_ASSIGN_OR_RETURN(limits.printf_fifo_size,
+                           driver_.CtxGetLimit(ContextLimit::kPrintfFifoSize));
+  return limits;
+}
+
+absl::StatusOr<ContextReport> DeviceContext::GetContextReport() const {
+  CTXPOOL_RETURN_IF_ERROR(CheckFork("DeviceContext::GetContextReport"));
+  ContextReport report = report_;
+  CTXPOOL_ASSIGN_OR_RETURN(report.limits, ReadLimits());
+  return report;
+}
+
+absl::StatusOr<ContextLimits> DeviceContext::SetContextLimits(
+    const ContextLimits& limits) {
+  CTXPOOL_RETURN_IF_ERROR(CheckFork("DeviceContext::SetContextLimits"));
+  {
+    ScopedContext guard(driver_, context_);
+    CTXPOOL_RETURN_IF_ERROR(guard.status());
+    if (limits.stack_size != 0) {
+      CTXPOOL_RETURN_IF_ERROR(
+          driver_.CtxSetLimit(ContextLimit::kStackSize, limits.stack_size));
+    }
+    if (limits.malloc_heap_size != 0) {
+      CTXPOOL_RETURN_IF_ERROR(driver_.CtxSetLimit(ContextLimit::kMallocHeapSize,
+                                                  limits.malloc_heap_size));
+    }
+    if (limits.printf_fifo_size != 0) {
+      CTXPOOL_RETURN_IF_ERROR(driver_.CtxSetLimit(ContextLimit::kPrintfFifoSize,
+                                                  limits.printf_fifo_size));
+    }
+  }
+  return ReadLimits();
+}
+
+absl::Status DeviceContext::CheckCurrentContext() {
+  CTXPOOL_RETURN_IF_ERROR(CheckFork("DeviceContext::CheckCurrentContext"));
+  CTXPOOL_ASSIGN_OR_RETURN(ContextHandle current, driver_.CtxGetCurrent());
+  if (current.is_null() || current == context_) return absl::OkStatus();
+  absl::StatusOr<int> other_device = driver_.CtxGetDevice();
+  {
+    absl::MutexLock lock(&mu_);
+    ++stats_.foreign_context_warnings;
+  }
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "context explosion: context 0x%x (device %s) is current on this "
+      "thread, not device %d's primary context 0x%x. Each extra context "
+      "costs its own device memory (%s for the primary one here) and does "
+      "not share allocations. Use the primary context "
+      "(cuDevicePrimaryCtxRetain / cudaSetDevice, or "
+      "DeviceContext::MakeCurrent) instead of cuCtxCreate.",
+      current.value(),
+      other_device.ok() ? absl::StrCat(*other_device) : "unknown", device_,
+      context_.value(), Mib(report_.context_bytes)));
+}
+
+DeviceContextStats DeviceContext::Stats() const {
+  absl::MutexLock lock(&mu_);
+  DeviceContextStats s = stats_;
+  s.streams_idle =
+      static_cast<int>(idle_streams_[0].size() + idle_streams_[1].size());
+  s.events_idle = static_cast<int>(idle_events_.size());
+  s.open_sessions = static_cast<int>(sessions_.size());
+  return s;
+}
+
+std::vector<std::pair<std::string, ModelLeakTotals>>
+DeviceContext::ModelTotals() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<std::string, ModelLeakTotals>> out(
+      model_totals_.begin(), model_totals_.end());
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  return out;
+}
+
+void DeviceContext::ForEachSession(
+    const std::function<void(const ModelSession&)>& fn) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<const ModelSession*> sorted(sessions_.begin(), sessions_.end());
+  std::sort(sorted.begin(), sorted.end(),
+            [](const ModelSession* a, const ModelSession* b) {
+              return a->name() < b->name();
+            });
+  for (const ModelSession* s : sorted) fn(*s);
+}
+
+absl::StatusOr<std::vector<StreamHandle>> DeviceContext::LeaseStreams(
+    int n, StreamPriority p) {
+  std::vector<StreamHandle> out;
+  out.reserve(n);
+  {
+    absl::MutexLock lock(&mu_);
+    std::vector<StreamHandle>& pool = idle_streams_[PriorityIndex(p)];
+    while (static_cast<int>(out.size()) < n && !pool.empty()) {
+      out.push_back(pool.back());
+      pool.pop_back();
+    }
+    stats_.streams_leased += static_cast<int>(out.size());
+    stats_.stream_leases += static_cast<std::int64_t>(out.size());
+  }
+  const int missing = n - static_cast<int>(out.size());
+  if (missing == 0) return out;
+  std::vector<StreamHandle> created;
+  absl::Status s = [&]() -> absl::Status {
+    ScopedContext guard(driver_, context_);
+    CTXPOOL_RETURN_IF_ERROR(guard.status());
+    const int priority =
+        p == StreamPriority::kHigh ? high_priority_ : low_priority_;
+    for (int i = 0; i < missing; ++i) {
+      CTXPOOL_ASSIGN_OR_RETURN(
+          StreamHandle stream,
+          driver_.StreamCreate(kStreamNonBlocking, priority));
+      created.push_back(stream);
+    }
+    return absl::OkStatus();
+  }();
+  {
+    absl::MutexLock lock(&mu_);
+    for (StreamHandle stream : created) {
+      stream_priority_[stream] = p;
+      ++stats_.streams_created;
+    }
+    stats_.streams_leased += static_cast<int>(created.size());
+    stats_.stream_leases += static_cast<std::int64_t>(created.size());
+  }
+  out.insert(out.end(), created.begin(), created.end());
+  if (!s.ok()) {
+    ReturnStreams(out);
+    return s;
+  }
+  return out;
+}
+
+void DeviceContext::ReturnStreams(const std::vector<StreamHandle>& streams) {
+  absl::MutexLock lock(&mu_);
+  for (StreamHandle stream : streams) {
+    auto it = stream_priority_.find(stream);
+    const StreamPriority p =
+        it == stream_priority_.end() ? StreamPriority::kLow : it->second;
+    idle_streams_[PriorityIndex(p)].push_back(stream);
+  }
+  stats_.streams_leased -= static_cast<int>(streams.size());
+}
+
+absl::StatusOr<EventHandle> DeviceContext::AcquireEvent() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!idle_events_.empty()) {
+      EventHandle e = idle_events_.back();
+      idle_events_.pop_back();
+      return e;
+    }
+  }
+  ScopedContext guard(driver_, context_);
+  CTXPOOL_RETURN_IF_ERROR(guard.status());
+  CTXPOOL_ASSIGN_OR_RETURN(EventHandle e,
+                           driver_.EventCreate(kEventDisableTiming));
+  absl::MutexLock lock(&mu_);
+  ++stats_.events_created;
+  return e;
+}
+
+void DeviceContext::ReturnEvents(const std::vector<EventHandle>& events) {
+  absl::MutexLock lock(&mu_);
+  idle_events_.insert(idle_events_.end(), events.begin(), events.end());
+}
+
+void DeviceContext::OnSessionClosed(ModelSession* session, bool from_destructor,
+                                    std::int64_t leaked_allocations,
+                                    std::size_t leaked_bytes) {
+  absl::MutexLock lock(&mu_);
+  sessions_.erase(std::remove(sessions_.begin(), sessions_.end(), session),
+                  sessions_.end());
+  stats_.open_sessions = static_cast<int>(sessions_.size());
+  ++stats_.sessions_closed;
+  if (from_destructor) ++stats_.sessions_destroyed_unclosed;
+  stats_.leaked_allocations += leaked_allocations;
+  stats_.leaked_bytes += leaked_bytes;
+  ModelLeakTotals& totals = model_totals_[session->name()];
+  totals.leaked_allocations += leaked_allocations;
+  totals.leaked_bytes += leaked_bytes;
+}
+
+}  // namespace ctxpool

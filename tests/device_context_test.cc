@@ -1,0 +1,325 @@
+#include "ctxpool/context/device_context.h"
+
+#include <algorithm>
+#include <iostream>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "ctxpool/driver/sim_driver.h"
+#include "gtest/gtest.h"
+
+namespace ctxpool {
+namespace {
+
+using ::testing::Test;
+
+std::unique_ptr<SimDriver> MakeSim(absl::string_view preset = "h100-80gb") {
+  return SimDriver::Create({.devices = {*SimDevicePreset(preset)}});
+}
+
+DeviceContextOptions Plain() {
+  DeviceContextOptions o;
+  o.use_option_table = false;
+  o.stream_pool_reserve = 0;
+  return o;
+}
+
+std::uint64_t TotalCalls(const SimDriver& sim) {
+  std::uint64_t n = 0;
+  for (int i = 0; i < kSimCallCount; ++i) {
+    n += sim.call_count(static_cast<SimCall>(i));
+  }
+  return n;
+}
+
+TEST(DeviceContext, EightSessionsShareOnePrimaryContext) {
+  auto sim = MakeSim();
+  const std::size_t overhead = sim->device_spec(0).context_overhead_bytes;
+  std::size_t shared_total = 0;
+  {
+    auto dc = DeviceContext::Create(*sim, 0, Plain());
+    ASSERT_TRUE(dc.ok()) << dc.status();
+    std::vector<std::unique_ptr<ModelSession>> sessions;
+    for (int i = 0; i < 8; ++i) {
+      auto s = (*dc)->OpenSession(absl::StrCat("model", i), {.streams = 1});
+      ASSERT_TRUE(s.ok()) << s.status();
+      auto p = (*s)->Allocate(1 << 20, (*s)->stream(0));
+      ASSERT_TRUE(p.ok()) << p.status();
+      ASSERT_TRUE((*s)->Deallocate(*p).ok());
+      sessions.push_back(std::move(*s));
+    }
+    EXPECT_EQ(sim->primary_ctx_refcount(0), 1);
+    EXPECT_EQ(sim->contexts_created(0), 1);
+    EXPECT_EQ(sim->context_bytes(0), overhead);
+    EXPECT_EQ(sim->call_count(SimCall::kPrimaryCtxRetain), 1u);
+    EXPECT_EQ((*dc)->Stats().primary_retains, 1);
+    EXPECT_EQ((*dc)->initial_context_report().context_bytes, overhead);
+    shared_total = sim->context_bytes(0);
+    for (auto& s : sessions) EXPECT_TRUE(s->Close().ok());
+  }
+  EXPECT_EQ(sim->primary_ctx_refcount(0), 0);
+  EXPECT_EQ(sim->context_bytes(0), 0u);
+  EXPECT_EQ(sim->misuse_count(), 0u);
+
+  // The baseline: each model makes its own context.
+  auto baseline = MakeSim();
+  std::vector<ContextHandle> own;
+  for (int i = 0; i < 8; ++i) {
+    auto ctx = baseline->CtxCreate(0, 0);
+    ASSERT_TRUE(ctx.ok()) << ctx.status();
+    own.push_back(*ctx);
+  }
+  EXPECT_EQ(baseline->contexts_created(0), 8);
+  EXPECT_EQ(baseline->context_bytes(0), 8 * overhead);
+  const std::size_t own_total = baseline->context_bytes(0);
+  for (ContextHandle c : own) EXPECT_TRUE(baseline->CtxDestroy(c).ok());
+
+  std::cout << "context memory for 8 models on " << sim->device_spec(0).name
+            << ": shared primary context " << (shared_total >> 20)
+            << " MiB (1 context) vs one context per model " << (own_total >> 20)
+            << " MiB (8 contexts)\n";
+  ::testing::Test::RecordProperty("shared_context_bytes",
+                                  std::to_string(shared_total));
+  ::testing::Test::RecordProperty("per_model_context_bytes",
+                                  std::to_string(own_total));
+}
+
+TEST(DeviceContext, ContextReportMeasuresTheFirstRetain) {
+  auto sim = MakeSim("a10-24gb");
+  const SimDeviceSpec& spec = sim->device_spec(0);
+  auto dc = DeviceContext::Create(*sim, 0, Plain());
+  ASSERT_TRUE(dc.ok()) << dc.status();
+  const ContextReport& r = (*dc)->initial_context_report();
+  EXPECT_FALSE(r.primary_was_active);
+  EXPECT_EQ(r.total_bytes, spec.capacity_bytes);
+  EXPECT_EQ(r.free_before_retain_bytes, spec.capacity_bytes);
+  EXPECT_EQ(r.free_after_retain_bytes,
+            spec.capacity_bytes - spec.context_overhead_bytes);
+  EXPECT_EQ(r.context_bytes, spec.context_overhead_bytes);
+  EXPECT_EQ(r.device_name, spec.name);
+  EXPECT_GT(r.limits.stack_size, 0u);
+  EXPECT_GT(r.limits.malloc_heap_size, 0u);
+  EXPECT_GT(r.limits.printf_fifo_size, 0u);
+  EXPECT_LE(r.priorities.greatest, r.priorities.least);
+  const std::string text = r.ToString();
+  EXPECT_NE(text.find("primary context"), std::string::npos) << text;
+  EXPECT_NE(text.find("limits"), std::string::npos) << text;
+}
+
+TEST(DeviceContext, PrimaryAlreadyRetainedElsewhereIsSharedNotRecreated) {
+  auto sim = MakeSim();
+  ASSERT_TRUE(sim->PrimaryCtxRetain(0).ok());  // e.g. the CUDA runtime
+  {
+    auto dc = DeviceContext::Create(*sim, 0, Plain());
+    ASSERT_TRUE(dc.ok()) << dc.status();
+    EXPECT_TRUE((*dc)->initial_context_report().primary_was_active);
+    EXPECT_EQ((*dc)->initial_context_report().context_bytes, 0u);
+    EXPECT_EQ(sim->primary_ctx_refcount(0), 2);
+    EXPECT_EQ(sim->contexts_created(0), 1);
+  }
+  EXPECT_EQ(sim->primary_ctx_refcount(0), 1);  // ours released, theirs kept
+  EXPECT_TRUE(sim->PrimaryCtxRelease(0).ok());
+}
+
+TEST(DeviceContext, SetContextLimitsLowersThem) {
+  auto sim = MakeSim();
+  auto dc = DeviceContext::Create(*sim, 0, Plain());
+  ASSERT_TRUE(dc.ok()) << dc.status();
+  const ContextLimits before = (*dc)->initial_context_report().limits;
+  auto now = (*dc)->SetContextLimits(
+      {.stack_size = 512, .malloc_heap_size = 0, .printf_fifo_size = 64 << 10});
+  ASSERT_TRUE(now.ok()) << now.status();
+  EXPECT_EQ(now->stack_size, 512u);
+  EXPECT_EQ(now->malloc_heap_size, before.malloc_heap_size);  // unchanged
+  EXPECT_EQ(now->printf_fifo_size, 64u << 10);
+  auto report = (*dc)->GetContextReport();
+  ASSERT_TRUE(report.ok());
+  EXPECT_EQ(report->limits.stack_size, 512u);
+  EXPECT_EQ(sim->misuse_count(), 0u);
+}
+
+TEST(DeviceContext, WarnsWhenAnotherContextIsCurrent) {
+  auto sim = MakeSim();
+  auto dc = DeviceContext::Create(*sim, 0, Plain());
+  ASSERT_TRUE(dc.ok()) << dc.status();
+  EXPECT_TRUE((*dc)->CheckCurrentContext().ok());  // nothing current
+  ASSERT_TRUE((*dc)->MakeCurrent().ok());
+  EXPECT_EQ(*sim->CtxGetCurrent(), (*dc)->context());
+  EXPECT_TRUE((*dc)->CheckCurrentContext().ok());
+  auto foreign = sim->CtxCreate(0, 0);  // current on this thread now
+  ASSERT_TRUE(foreign.ok());
+  absl::Status s = (*dc)->CheckCurrentContext();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("context explosion"), std::string::npos) << s;
+  EXPECT_EQ((*dc)->Stats().foreign_context_warnings, 1);
+  ASSERT_TRUE(sim->CtxDestroy(*foreign).ok());
+  ASSERT_TRUE(sim->CtxSetCurrent(ContextHandle()).ok());
+}
+
+TEST(DeviceContext, DriverCallsRestoreTheCallersContext) {
+  auto sim = MakeSim();
+  ASSERT_TRUE(sim->CtxGetCurrent()->is_null());
+  auto dc = DeviceContext::Create(*sim, 0, Plain());
+  ASSERT_TRUE(dc.ok());
+  EXPECT_TRUE(sim->CtxGetCurrent()->is_null());
+  auto s = (*dc)->OpenSession("bert", {.streams = 2});
+  ASSERT_TRUE(s.ok());
+  auto p = (*s)->Allocate(4 << 20, (*s)->stream(1));
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE((*s)->Deallocate(*p).ok());
+  EXPECT_TRUE((*s)->Close().ok());
+  EXPECT_TRUE(sim->CtxGetCurrent()->is_null());
+  EXPECT_EQ(sim->misuse_count(), 0u) << sim->misuse_log().front();
+}
+
+TEST(DeviceContext, StreamsAreCreatedOnceAndReusedAcrossSessions) {
+  auto sim = MakeSim();
+  auto dc = DeviceContext::Create(*sim, 0, Plain());
+  ASSERT_TRUE(dc.ok());
+  std::set<StreamHandle> first;
+  {
+    auto a = (*dc)->OpenSession("a", {.streams = 3});
+    ASSERT_TRUE(a.ok());
+    first.insert((*a)->streams().begin(), (*a)->streams().end());
+    EXPECT_EQ(first.size(), 3u);
+    EXPECT_TRUE((*a)->Close().ok());
+  }
+  EXPECT_EQ(sim->call_count(SimCall::kStreamCreate), 3u);
+  for (int round = 0; round < 4; ++round) {
+    auto b = (*dc)->OpenSession("b", {.streams = 3});
+    ASSERT_TRUE(b.ok());
+    std::set<StreamHandle> again((*b)->streams().begin(),
+                                 (*b)->streams().end());
+    EXPECT_EQ(again, first);
+    EXPECT_TRUE((*b)->Close().ok());
+  }
+  EXPECT_EQ(sim->call_count(SimCall::kStreamCreate), 3u);
+  DeviceContextStats st = (*dc)->Stats();
+  EXPECT_EQ(st.streams_created, 3);
+  EXPECT_EQ(st.streams_idle, 3);
+  EXPECT_EQ(st.streams_leased, 0);
+  EXPECT_EQ(st.stream_leases, 15);
+  EXPECT_EQ(st.sessions_opened, 5);
+  EXPECT_EQ(st.sessions_closed, 5);
+}
+
+TEST(DeviceContext, OpenSessionsHaveDisjointStreamsAndPrioritiesArePooled) {
+  auto sim = MakeSim();
+  auto dc = DeviceContext::Create(*sim, 0, Plain());
+  ASSERT_TRUE(dc.ok());
+  auto low = (*dc)->OpenSession("low", {.streams = 2});
+  auto high = (*dc)->OpenSession(
+      "high", {.streams = 2, .priority = StreamPriority::kHigh});
+  ASSERT_TRUE(low.ok() && high.ok());
+  std::set<StreamHandle> all((*low)->streams().begin(),
+                             (*low)->streams().end());
+  all.insert((*high)->streams().begin(), (*high)->streams().end());
+  EXPECT_EQ(all.size(), 4u);
+  std::vector<StreamHandle> high_streams((*high)->streams().begin(),
+                                         (*high)->streams().end());
+  EXPECT_TRUE((*low)->Close().ok());
+  EXPECT_TRUE((*high)->Close().ok());
+  // A new high-priority session gets the high-priority streams back.
+  auto high2 = (*dc)->OpenSession(
+      "high2", {.streams = 2, .priority = StreamPriority::kHigh});
+  ASSERT_TRUE(high2.ok());
+  std::vector<StreamHandle> again((*high2)->streams().begin(),
+                                  (*high2)->streams().end());
+  std::sort(again.begin(), again.end());
+  std::sort(high_streams.begin(), high_streams.end());
+  EXPECT_EQ(again, high_streams);
+  EXPECT_EQ(sim->call_count(SimCall::kStreamCreate), 4u);
+}
+
+TEST(DeviceContext, StreamPoolReserveCreatesUpFront) {
+  auto sim = MakeSim();
+  DeviceContextOptions o = Plain();
+  o.stream_pool_reserve = 2;
+  auto dc = DeviceContext::Create(*sim, 0, o);
+  ASSERT_TRUE(dc.ok()) << dc.status();
+  EXPECT_EQ(sim->call_count(SimCall::kStreamCreate), 4u);
+  auto s = (*dc)->OpenSession("m", {.streams = 2});
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(sim->call_count(SimCall::kStreamCreate), 4u);
+  EXPECT_EQ((*dc)->Stats().stream_leases, 2);
+}
+
+TEST(DeviceContext, OpenSessionRejectsBadArguments) {
+  auto sim = MakeSim();
+  auto dc = DeviceContext::Create(*sim, 0, Plain());
+  ASSERT_TRUE(dc.ok());
+  EXPECT_EQ((*dc)->OpenSession("", {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*dc)->OpenSession("m", {.streams = 0}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*dc)
+                ->OpenSession("m", {.min_bytes = 2 << 20, .max_bytes = 1 << 20})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  auto m = (*dc)->OpenSession("m", {.streams = 1});
+  ASSERT_TRUE(m.ok());
+  auto dup = (*dc)->OpenSession("m", {.streams = 1});
+  EXPECT_EQ(dup.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(dup.status().message().find("'m'"), std::string::npos);
+  EXPECT_EQ((*dc)->Stats().streams_leased, 1);  // dup returned its streams
+  EXPECT_TRUE((*m)->Close().ok());
+  EXPECT_TRUE((*dc)->OpenSession("m", {.streams = 1}).ok());  // reopen
+}
+
+TEST(DeviceContext, FailedStreamCreationLeasesNothing) {
+  auto sim = MakeSim();
+  auto dc = DeviceContext::Create(*sim, 0, Plain());
+  ASSERT_TRUE(dc.ok());
+  sim->InjectFault(SimCall::kStreamCreate, 1, cu::kErrorOutOfMemory);
+  auto s = (*dc)->OpenSession("m", {.streams = 2});
+  EXPECT_EQ(DriverErrorCode(s.status()), cu::kErrorOutOfMemory);
+  EXPECT_EQ((*dc)->Stats().streams_leased, 0);
+  EXPECT_EQ((*dc)->Stats().open_sessions, 0);
+}
+
+TEST(DeviceContext, BadOrdinalRetainsNothing) {
+  auto sim = MakeSim();
+  auto dc = DeviceContext::Create(*sim, 3, Plain());
+  EXPECT_EQ(dc.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(sim->primary_ctx_refcount(0), 0);
+}
+
+TEST(DeviceContext, FailedRetainLeavesNothing) {
+  auto sim = MakeSim();
+  sim->InjectFault(SimCall::kPrimaryCtxRetain, 1, cu::kErrorOutOfMemory);
+  auto dc = DeviceContext::Create(*sim, 0, Plain());
+  EXPECT_EQ(DriverErrorCode(dc.status()), cu::kErrorOutOfMemory);
+  EXPECT_EQ(sim->primary_ctx_refcount(0), 0);
+}
+
+TEST(DeviceContext, DestructionReturnsEverything) {
+  auto sim = MakeSim();
+  {
+    auto dc = DeviceContext::Create(*sim, 0, Plain());
+    ASSERT_TRUE(dc.ok());
+    auto s = (*dc)->OpenSession("m", {.streams = 2});
+    ASSERT_TRUE(s.ok());
+    auto p = (*s)->Allocate(64 << 20, (*s)->stream(0));
+    ASSERT_TRUE(p.ok());
+    auto e = (*s)->AcquireEvent();
+    ASSERT_TRUE(e.ok());
+    ASSERT_TRUE((*s)->ReleaseEvent(*e).ok());
+    ASSERT_TRUE((*s)->Deallocate(*p).ok());
+    EXPECT_TRUE((*s)->Close().ok());
+    EXPECT_GT(sim->used_bytes(0), sim->context_bytes(0));  // cached segments
+  }
+  EXPECT_EQ(sim->used_bytes(0), 0u);
+  EXPECT_EQ(sim->primary_ctx_refcount(0), 0);
+  EXPECT_EQ(sim->call_count(SimCall::kStreamDestroy), 2u);
+  EXPECT_EQ(sim->call_count(SimCall::kEventDestroy),
+            sim->call_count(SimCall::kEventCreate));
+  EXPECT_EQ(sim->misuse_count(), 0u) << sim->misuse_log().front();
+  EXPECT_GT(TotalCalls(*sim), 0u);
+}
+
+}  // namespace
+}  // namespace ctxpool

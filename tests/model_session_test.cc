@@ -1,0 +1,379 @@
+#include "ctxpool/context/model_session.h"
+
+#include <algorithm>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "ctxpool/alloc/device_allocator.h"
+#include "ctxpool/context/device_context.h"
+#include "ctxpool/driver/sim_driver.h"
+#include "gtest/gtest.h"
+
+namespace ctxpool {
+namespace {
+
+constexpr int kAgg = static_cast<int>(StatPool::kAggregate);
+
+class ModelSessionTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Init("h100-80gb"); }
+  void Init(absl::string_view spec) {
+    sessions_.clear();
+    dc_.reset();
+    sim_ = std::move(SimDriver::CreateFromSpec(absl::StrCat("sim:", spec)))
+               .value();
+    DeviceContextOptions o;
+    o.use_option_table = false;
+    o.stream_pool_reserve = 0;
+    dc_ = std::move(DeviceContext::Create(*sim_, 0, o)).value();
+  }
+  void TearDown() override {
+    sessions_.clear();
+    if (dc_ != nullptr) {
+      EXPECT_TRUE(dc_->device_allocator().CheckInvariants().ok());
+    }
+    dc_.reset();
+    EXPECT_EQ(sim_->misuse_count(), 0u)
+        << (sim_->misuse_count() ? sim_->misuse_log().front() : "");
+    EXPECT_EQ(sim_->used_bytes(0), 0u);
+  }
+  ModelSession& Open(absl::string_view name, SessionOptions o = {}) {
+    if (!o.streams.has_value()) o.streams = 1;
+    auto s = dc_->OpenSession(name, o);
+    EXPECT_TRUE(s.ok()) << s.status();
+    sessions_.push_back(std::move(s).value());
+    return *sessions_.back();
+  }
+  std::int64_t DeviceLive() const {
+    return dc_->device_allocator().Stats().total.allocated_bytes[kAgg].current;
+  }
+
+  std::unique_ptr<SimDriver> sim_;
+  std::unique_ptr<DeviceContext> dc_;
+  std::vector<std::unique_ptr<ModelSession>> sessions_;
+};
+
+TEST_F(ModelSessionTest, AllocationsAreChargedToTheSession) {
+  ModelSession& bert = Open("bert");
+  ModelSession& t5 = Open("t5");
+  auto a = bert.Allocate(1000, bert.stream(0), "a");
+  auto b = bert.Allocate(4 << 20, bert.stream(0), "b");
+  auto c = t5.Allocate(512, t5.stream(0));
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  SessionStats s = bert.Stats();
+  EXPECT_EQ(s.live_bytes, 1024u + (4u << 20));  // rounded to 512 B
+  EXPECT_EQ(s.requested_bytes, 1000u + (4u << 20));
+  EXPECT_EQ(s.live_allocations, 2);
+  EXPECT_EQ(t5.Stats().live_bytes, 512u);
+  std::vector<LiveAllocation> live = bert.LiveAllocations();
+  ASSERT_EQ(live.size(), 2u);
+  EXPECT_STREQ(live[0].label != nullptr && *a == live[0].ptr ? live[0].label
+                                                             : live[1].label,
+               "a");
+  ASSERT_TRUE(bert.Deallocate(*a).ok());
+  EXPECT_EQ(bert.Stats().live_bytes, 4u << 20);
+  EXPECT_EQ(bert.Stats().peak_bytes, 1024u + (4u << 20));
+  EXPECT_EQ(bert.Stats().num_frees, 1);
+  ASSERT_TRUE(bert.Deallocate(*b).ok());
+  ASSERT_TRUE(t5.Deallocate(*c).ok());
+  EXPECT_EQ(DeviceLive(), 0);
+  EXPECT_TRUE(bert.Close().ok());
+  EXPECT_TRUE(t5.Close().ok());
+}
+
+TEST_F(ModelSessionTest, MaxBudgetRejectsNamingTheModelOthersUnaffected) {
+  ModelSession& bert = Open("bert", {.max_bytes = 1 << 20});
+  ModelSession& t5 = Open("t5");
+  auto a = bert.Allocate(768 << 10, bert.stream(0));
+  ASSERT_TRUE(a.ok());
+  auto over = bert.Allocate(512 << 10, bert.stream(0));
+  ASSERT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(over.status().message().find("'bert'"), std::string::npos)
+      << over.status();
+  EXPECT_NE(over.status().message().find("budget"), std::string::npos);
+  EXPECT_EQ(bert.Stats().num_budget_rejections, 1);
+  EXPECT_EQ(bert.Stats().live_bytes, 768u << 10);
+  auto fits = bert.Allocate(256 << 10, bert.stream(0));  // exactly max
+  EXPECT_TRUE(fits.ok()) << fits.status();
+  auto other = t5.Allocate(64 << 20, t5.stream(0));
+  EXPECT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ(bert.Allocate(~std::size_t{0}, bert.stream(0)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(bert.Deallocate(*a).ok());
+  ASSERT_TRUE(bert.Deallocate(*fits).ok());
+  ASSERT_TRUE(t5.Deallocate(*other).ok());
+}
+
+TEST_F(ModelSessionTest, CloseReportsLeaksNamingTheAllocationAndReclaims) {
+  ModelSession& bert = Open("bert", {.streams = 2});
+  auto kv = bert.Allocate(4096, bert.stream(1), "kv_cache");
+  auto ok = bert.Allocate(8192, bert.stream(0), "scratch");
+  ASSERT_TRUE(kv.ok() && ok.ok());
+  ASSERT_TRUE(bert.Deallocate(*ok).ok());
+  absl::Status s = bert.Close();
+  ASSERT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  const std::string msg(s.message());
+  EXPECT_NE(msg.find("bert"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("1 leaked allocation"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("4096 B 'kv_cache'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(absl::StrFormat("0x%x", kv->address())), std::string::npos)
+      << msg;
+  EXPECT_NE(
+      msg.find(absl::StrFormat("on stream 0x%x", bert.streams()[1].value())),
+      std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("age"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("scratch"), std::string::npos) << msg;  // freed
+  EXPECT_EQ(DeviceLive(), 0);                                // reclaimed
+  SessionStats st = bert.Stats();
+  EXPECT_TRUE(st.closed);
+  EXPECT_EQ(st.leaked_allocations, 1);
+  EXPECT_EQ(st.leaked_bytes, 4096u);
+  EXPECT_EQ(st.live_bytes, 0u);
+  DeviceContextStats ds = dc_->Stats();
+  EXPECT_EQ(ds.leaked_allocations, 1);
+  EXPECT_EQ(ds.leaked_bytes, 4096u);
+  EXPECT_EQ(ds.streams_leased, 0);
+  EXPECT_EQ(bert.Close().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ModelSessionTest, CloseReturnsMemoryForTheNextSession) {
+  Init("8GiB");  // 8 GiB device, 500 MiB of context
+  ModelSession& a = Open("a");
+  auto big = a.Allocate(std::size_t{6} << 30, a.stream(0), "weights");
+  ASSERT_TRUE(big.ok()) << big.status();
+  ModelSession& b = Open("b");
+  auto no = b.Allocate(std::size_t{6} << 30, b.stream(0));
+  ASSERT_EQ(no.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(no.status().message().find("'b'"), std::string::npos);
+  EXPECT_EQ(b.Stats().num_ooms, 1);
+  EXPECT_FALSE(a.Close().ok());  // leaks the weights, which are reclaimed
+  auto yes = b.Allocate(std::size_t{6} << 30, b.stream(0));
+  ASSERT_TRUE(yes.ok()) << yes.status();
+  ASSERT_TRUE(b.Deallocate(*yes).ok());
+  EXPECT_TRUE(b.Close().ok());
+}
+
+TEST_F(ModelSessionTest, DestroyingWithoutCloseClosesAndCountsLeaks) {
+  {
+    auto s = dc_->OpenSession("bert", {.streams = 1});
+    ASSERT_TRUE(s.ok());
+    ASSERT_TRUE((*s)->Allocate(1 << 20, (*s)->stream(0), "act").ok());
+    ASSERT_TRUE((*s)->Allocate(3 << 20, (*s)->stream(0), "act2").ok());
+  }
+  DeviceContextStats st = dc_->Stats();
+  EXPECT_EQ(st.sessions_destroyed_unclosed, 1);
+  EXPECT_EQ(st.leaked_allocations, 2);
+  EXPECT_EQ(st.leaked_bytes, 4u << 20);
+  EXPECT_EQ(st.open_sessions, 0);
+  EXPECT_EQ(st.streams_leased, 0);
+  EXPECT_EQ(DeviceLive(), 0);
+  auto totals = dc_->ModelTotals();
+  ASSERT_EQ(totals.size(), 1u);
+  EXPECT_EQ(totals[0].first, "bert");
+  EXPECT_EQ(totals[0].second.leaked_bytes, 4u << 20);
+}
+
+TEST_F(ModelSessionTest, BadFreesAreReportedNotFatal) {
+  ModelSession& a = Open("a");
+  ModelSession& b = Open("b");
+  auto p = a.Allocate(1 << 10, a.stream(0));
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(b.Deallocate(*p).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(a.Deallocate(DevicePtr(12345)).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(a.Deallocate(*p).ok());
+  absl::Status twice = a.Deallocate(*p);
+  EXPECT_EQ(twice.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(twice.message().find("'a'"), std::string::npos);
+  EXPECT_EQ(a.Stats().invalid_frees, 2);
+  EXPECT_EQ(b.Stats().invalid_frees, 1);
+  EXPECT_EQ(a.RecordStream(*p, b.stream(0)).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ModelSessionTest, CallsAfterCloseFail) {
+  ModelSession& a = Open("a");
+  ASSERT_TRUE(a.Close().ok());
+  EXPECT_EQ(a.Allocate(1, StreamHandle()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(a.Deallocate(DevicePtr(1)).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(a.AcquireEvent().status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(a.Warmup({}).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ModelSessionTest, RecordStreamAndTheAllocatorHandle) {
+  ModelSession& a = Open("a", {.streams = 2});
+  SessionDeviceAllocator alloc = a.device_allocator();
+  auto p = alloc.Allocate(2 << 20, a.stream(0), "shared");
+  ASSERT_TRUE(p.ok());
+  ASSERT_TRUE(dc_->MakeCurrent().ok());  // the "kernels" below need it
+  ASSERT_TRUE(sim_->Touch(a.stream(0), *p, 2 << 20).ok());
+  ASSERT_TRUE(alloc.RecordStream(*p, a.stream(1)).ok());
+  auto e = a.AcquireEvent();  // order stream 1 after stream 0's write
+  ASSERT_TRUE(e.ok());
+  ASSERT_TRUE(sim_->EventRecord(*e, a.stream(0)).ok());
+  ASSERT_TRUE(sim_->StreamWaitEvent(a.stream(1), *e).ok());
+  ASSERT_TRUE(a.ReleaseEvent(*e).ok());
+  ASSERT_TRUE(sim_->Touch(a.stream(1), *p, 2 << 20).ok());
+  EXPECT_EQ(a.Stats().live_allocations, 1);
+  ASSERT_TRUE(alloc.Deallocate(*p).ok());
+  EXPECT_EQ(&alloc.session(), &a);
+  EXPECT_TRUE(a.Close().ok());
+  EXPECT_EQ(sim_->race_count(), 0u);
+}
+
+TEST_F(ModelSessionTest, EventsComeFromAPool) {
+  ModelSession& a = Open("a");
+  auto e1 = a.AcquireEvent();
+  ASSERT_TRUE(e1.ok());
+  ASSERT_TRUE(a.ReleaseEvent(*e1).ok());
+  auto e2 = a.AcquireEvent();
+  ASSERT_TRUE(e2.ok());
+  EXPECT_EQ(*e1, *e2);
+  EXPECT_EQ(sim_->call_count(SimCall::kEventCreate), 1u);
+  ASSERT_TRUE(a.ReleaseEvent(*e2).ok());
+  ASSERT_TRUE(a.Close().ok());
+  ModelSession& b = Open("b");  // the device's pool keeps a's event
+  auto e3 = b.AcquireEvent();
+  ASSERT_TRUE(e3.ok());
+  EXPECT_EQ(*e3, *e1);
+  EXPECT_EQ(sim_->call_count(SimCall::kEventCreate), 1u);
+  ASSERT_TRUE(b.ReleaseEvent(*e3).ok());
+}
+
+// The request mix of a model, as the test serves it.
+WarmupPlan Mix() {
+  WarmupPlan plan;
+  plan.items = {
+      {0, 3 << 20, 2}, {0, 256 << 10, 4}, {1, 64 << 20, 1}, {1, 700, 3}};
+  plan.events = 3;
+  return plan;
+}
+
+// Serves one request of Mix(): allocates it all, uses events, frees it all.
+void ServeMix(ModelSession& s) {
+  std::vector<DevicePtr> blocks;
+  for (const WarmupPlan::Item& item : Mix().items) {
+    for (int i = 0; i < item.count; ++i) {
+      auto p = s.Allocate(item.bytes, s.stream(item.stream_index), "req");
+      ASSERT_TRUE(p.ok()) << p.status();
+      blocks.push_back(*p);
+    }
+  }
+  std::vector<EventHandle> events;
+  for (int i = 0; i < Mix().events; ++i) {
+    auto e = s.AcquireEvent();
+    ASSERT_TRUE(e.ok());
+    events.push_back(*e);
+  }
+  for (EventHandle e : events) ASSERT_TRUE(s.ReleaseEvent(e).ok());
+  for (DevicePtr p : blocks) ASSERT_TRUE(s.Deallocate(p).ok());
+}
+
+struct DriverWork {
+  std::uint64_t mem_alloc, mem_create, event_create, stream_create, reserve;
+  bool operator==(const DriverWork&) const = default;
+};
+DriverWork Work(const SimDriver& sim) {
+  return {sim.call_count(SimCall::kMemAlloc),
+          sim.call_count(SimCall::kMemCreate),
+          sim.call_count(SimCall::kEventCreate),
+          sim.call_count(SimCall::kStreamCreate),
+          sim.call_count(SimCall::kMemAddressReserve)};
+}
+
+TEST_F(ModelSessionTest, WarmupMakesTheFirstRequestDriverFree) {
+  ModelSession& s = Open("bert", {.streams = 2});
+  ASSERT_TRUE(s.Warmup(Mix()).ok());
+  EXPECT_EQ(s.Stats().idle_events, 3);
+  const DriverWork before = Work(*sim_);
+  ServeMix(s);
+  EXPECT_EQ(Work(*sim_), before) << "the first request called the driver";
+  ServeMix(s);
+  EXPECT_EQ(Work(*sim_), before);
+  EXPECT_TRUE(s.Close().ok());
+}
+
+TEST_F(ModelSessionTest, WithoutWarmupTheFirstRequestCallsTheDriver) {
+  ModelSession& s = Open("bert", {.streams = 2});
+  const DriverWork before = Work(*sim_);
+  ServeMix(s);
+  const DriverWork after = Work(*sim_);
+  EXPECT_GT(after.mem_alloc + after.mem_create,
+            before.mem_alloc + before.mem_create);
+  EXPECT_GT(after.event_create, before.event_create);
+  EXPECT_TRUE(s.Close().ok());
+}
+
+TEST_F(ModelSessionTest, WarmupRejectsABadPlan) {
+  ModelSession& s = Open("bert", {.streams = 1});
+  WarmupPlan bad;
+  bad.items = {{1, 1024, 1}};
+  EXPECT_EQ(s.Warmup(bad).code(), absl::StatusCode::kInvalidArgument);
+  WarmupPlan too_big;
+  too_big.items = {{0, std::size_t{1} << 40, 1}};
+  EXPECT_FALSE(s.Warmup(too_big).ok());
+  EXPECT_EQ(s.Stats().live_bytes, 0u);
+}
+
+TEST_F(ModelSessionTest, MappedAndCachedBytesCoverTheSessionsStreams) {
+  ModelSession& a = Open("a");
+  ModelSession& b = Open("b");
+  auto p = a.Allocate(1 << 20, a.stream(0));
+  ASSERT_TRUE(p.ok());
+  SessionStats live = a.Stats();
+  EXPECT_GE(live.mapped_bytes, 1u << 20);
+  EXPECT_EQ(live.cached_bytes, live.mapped_bytes - (1u << 20));
+  ASSERT_TRUE(a.Deallocate(*p).ok());
+  SessionStats after = a.Stats();
+  EXPECT_EQ(after.cached_bytes, after.mapped_bytes);
+  EXPECT_EQ(b.Stats().mapped_bytes, 0u);
+}
+
+TEST_F(ModelSessionTest, ConcurrentSessionsAndThreads) {
+  constexpr int kModels = 4;
+  constexpr int kThreadsPerModel = 2;
+  constexpr int kIters = 200;
+  std::vector<ModelSession*> models;
+  for (int m = 0; m < kModels; ++m) {
+    models.push_back(&Open(absl::StrCat("m", m), {.streams = 2}));
+  }
+  std::vector<std::thread> threads;
+  for (int m = 0; m < kModels; ++m) {
+    for (int t = 0; t < kThreadsPerModel; ++t) {
+      threads.emplace_back([s = models[m], t] {
+        std::vector<DevicePtr> held;
+        for (int i = 0; i < kIters; ++i) {
+          const std::size_t bytes = std::size_t{512} << ((i * 7 + t) % 13);
+          auto p = s->Allocate(bytes, s->stream(t % 2));
+          ASSERT_TRUE(p.ok()) << p.status();
+          held.push_back(*p);
+          if (held.size() > 4) {
+            ASSERT_TRUE(s->Deallocate(held.front()).ok());
+            held.erase(held.begin());
+          }
+          if (i % 50 == 0) (void)s->Stats();
+        }
+        for (DevicePtr p : held) ASSERT_TRUE(s->Deallocate(p).ok());
+      });
+    }
+  }
+  for (auto& t : threads) t.join();
+  for (ModelSession* s : models) {
+    EXPECT_EQ(s->Stats().live_bytes, 0u);
+    EXPECT_EQ(s->Stats().num_allocs, kThreadsPerModel * kIters);
+    EXPECT_TRUE(s->Close().ok());
+  }
+  EXPECT_EQ(DeviceLive(), 0);
+}
+
+}  // namespace
+}  // namespace ctxpool
