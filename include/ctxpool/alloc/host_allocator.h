@@ -30,16 +30,18 @@
 //     cached buffers, then fails with RESOURCE_EXHAUSTED naming the budget and
 //     the usage.
 //
-// Why size classes and not best fit in large segments (measured with
-// ctxpool_bench_host, BM_HostWaste, log-uniform sizes 1 KiB..4 GiB): rounding
-// waste is 4.2 % with 8 classes per doubling, 8.1 % with 4, 27.7 % with
-// powers of two. Best fit inside large pinned segments could reach less, but
-// (a) cuMemHostAlloc's cost is proportional to the size, so carving saves
-// little time for the large buffers that matter; (b) a segment can be
-// returned only when all of it is free, so Trim and the host budget would
-// strand pinned memory behind one live buffer; (c) one buffer per pin keeps
-// Deallocate a hash lookup. 8 classes per doubling meet the 12.5 % bound
-// per request, 4 only on average, so 8 is the default.
+// Why size classes and not best fit in large segments. Measured with
+// ctxpool_bench_host (BM_HostWaste: 100000 sizes, log-uniform 1 KiB..4 GiB,
+// waste = (rounded − requested) / rounded over all bytes): 4.2 % with 8
+// classes per doubling, 8.2 % with 4, 27.7 % with powers of two. Best fit
+// inside large pinned segments was not built: (a) cuMemHostAlloc's cost grows
+// with the size, so carving saves little time for the large buffers whose
+// waste matters; (b) a segment can be unpinned only when all of it is free,
+// so Trim and the host budget would strand pinned memory behind one live
+// buffer, where classes give back every free buffer; (c) one buffer per pin
+// keeps Deallocate a hash lookup. 8 classes per doubling bound the waste of
+// every request (< 12.5 % above 512 B), 4 only on average, so 8 is the
+// default; the price is that a cached buffer serves a narrower size range.
 //
 // Example:
 //
