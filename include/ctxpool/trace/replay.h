@@ -1,0 +1,195 @@
+// ctxpool/trace/replay.h — replaying an allocation trace against an allocator
+// configuration, and capacity planning.
+//
+// Replay runs a trace's allocations and frees, in the order listed, on a
+// fresh CachingDeviceAllocator — over a fresh SimDriver (any capacity preset)
+// or over a Driver you pass in (a real GPU through CudaDriver) — and reports
+// what that configuration would have done with the workload:
+//
+//   peak live        the most bytes the trace had allocated at once (sum of
+//                    requested sizes); a property of the trace
+//   peak reserved    the most bytes the allocator held from the driver
+//   OOMs             allocations that failed, and the first one in detail
+//   upstream calls   physical allocations: cuMemAlloc + cuMemCreate
+//   fragmentation    reserved, live and external fragmentation, sampled
+//   latency          p50 / p99 / p99.9 / max of Allocate and Deallocate:
+//                    `sim_*` from SimDriver's cost model (simulated driver
+//                    time), `wall_*` measured with a monotonic clock
+//
+//   absl::StatusOr<Trace> t = ReadTraceFile("run.rmm.csv");
+//   ReplayConfig config;
+//   config.device = "a10-24gb";
+//   CTXPOOL_RETURN_IF_ERROR(ParseAllocatorConfig("backing=classic",
+//                                                &config.allocator));
+//   CTXPOOL_ASSIGN_OR_RETURN(ReplayResult r, Replay(*t, config));
+//   std::cout << ReplayResultToJson(r);
+//
+// Rules of a replay:
+//   * One stream per distinct trace stream id (created on the device).
+//     Threads are ignored: events run in the trace's order.
+//   * Only kAlloc and kFree act (kTrim calls Trim(0) when replay_trims);
+//     free completions, segment events and recorded OOMs are the recording
+//     allocator's own doings and are skipped.
+//   * A failed allocation is counted and replay continues (or stops, with
+//     stop_at_first_oom); its later free is skipped.
+//   * Allocations still live at the end are not freed by the trace; the
+//     allocator's destruction returns everything.
+//
+// FindMinCapacity bisects the device capacity (in 2 MiB steps, the VMM
+// granularity) for the smallest device on which the trace runs with no OOM —
+// the OOM frontier — assuming more memory never causes an OOM. The capacity
+// includes the device's context overhead (SimDeviceSpec), as a real card's
+// does.
+//
+// Thread-safety: the functions are reentrant; concurrent replays are
+// independent (each has its own SimDriver). Replay on a shared Driver must
+// not run concurrently with other users of that device's memory if the
+// numbers are to mean anything.
+#ifndef CTXPOOL_TRACE_REPLAY_H_
+#define CTXPOOL_TRACE_REPLAY_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "ctxpool/alloc/device_allocator.h"
+#include "ctxpool/driver/driver.h"
+#include "ctxpool/trace/trace.h"
+
+namespace ctxpool {
+
+struct ReplayConfig {
+  // SimDevicePreset name ("h100-80gb", "a10-24gb", ...). Empty: the default
+  // SimDeviceSpec (80 GiB).
+  std::string device;
+  // When non-zero, overrides the device's capacity.
+  std::uint64_t capacity_bytes = 0;
+  DeviceAllocatorOptions allocator;
+  bool stop_at_first_oom = false;
+  // Charge SimDriver's realistic cost table (UseRealisticCosts) and report
+  // simulated latencies. Off: the simulated costs are all zero.
+  bool cost_model = true;
+  // Measure each Allocate/Deallocate with a monotonic clock.
+  bool wall_latency = true;
+  // Call Trim(0) at kTrim events.
+  bool replay_trims = false;
+  // Take a fragmentation sample every this many events (0: about 200
+  // samples over the trace).
+  std::size_t sample_every = 0;
+  // Called every `progress_every` events (and at the end) with
+  // (events done, events total). Must not call back into the replay.
+  std::function<void(std::size_t, std::size_t)> progress;
+  std::size_t progress_every = 100000;
+};
+
+// Latency distribution of one kind of call, in nanoseconds.
+struct LatencyStats {
+  std::uint64_t count = 0;
+  std::int64_t p50 = 0;
+  std::int64_t p99 = 0;
+  std::int64_t p999 = 0;
+  std::int64_t max = 0;
+  double mean = 0;
+  std::int64_t total = 0;
+};
+// Nearest-rank percentiles of `samples` (reordered in place).
+LatencyStats ComputeLatencyStats(std::vector<std::int64_t>& samples);
+
+struct OomInfo {
+  std::size_t event_index = 0;  // in the trace
+  std::uint64_t requested_bytes = 0;
+  std::uint64_t live_bytes = 0;      // the trace's live bytes before it
+  std::uint64_t reserved_bytes = 0;  // the allocator's, after the failure
+  std::string message;               // the allocator's OOM report
+};
+
+struct FragmentationSample {
+  std::size_t event_index = 0;
+  std::uint64_t live_bytes = 0;      // trace live (requested)
+  std::uint64_t reserved_bytes = 0;  // allocator reserved
+  std::uint64_t free_bytes = 0;      // cached in free blocks
+  std::uint64_t largest_free_bytes = 0;
+  double external = 0;  // 1 − largest_free / free
+};
+
+struct ReplayResult {
+  std::string trace_source;
+  std::string device;  // the driver's Describe()
+  std::uint64_t capacity_bytes = 0;
+  std::uint64_t context_overhead_bytes = 0;  // sim only
+  std::uint64_t ops = 0;                     // allocations + frees executed
+  std::uint64_t allocs = 0;                  // successful
+  std::uint64_t frees = 0;
+  std::uint64_t skipped_events = 0;  // events that do not act (see above)
+  std::uint64_t skipped_frees = 0;   // frees of allocations that failed
+  std::uint64_t trims = 0;
+  std::uint64_t peak_live_bytes = 0;
+  std::uint64_t peak_reserved_bytes = 0;
+  std::uint64_t end_live_bytes = 0;
+  std::uint64_t end_reserved_bytes = 0;
+  std::uint64_t ooms = 0;
+  std::optional<OomInfo> first_oom;
+  bool stopped_at_oom = false;
+  std::uint64_t upstream_allocations = 0;  // cuMemAlloc + cuMemCreate
+  std::uint64_t upstream_frees = 0;        // cuMemFree + cuMemRelease
+  std::uint64_t cache_hits = 0;
+  double peak_reserved_over_live = 0;  // peak_reserved / peak_live
+  double max_external_fragmentation = 0;
+  std::vector<FragmentationSample> samples;
+  LatencyStats sim_alloc;  // simulated driver time per Allocate
+  LatencyStats sim_free;
+  LatencyStats wall_alloc;  // measured wall-clock time per Allocate
+  LatencyStats wall_free;
+  std::int64_t simulated_time_ns = 0;  // all simulated driver time
+  std::int64_t wall_time_ns = 0;       // the whole replay loop
+};
+
+// Replays on a fresh SimDriver built from config.device/capacity_bytes.
+// INVALID_ARGUMENT for a trace that frees a pointer never allocated (with the
+// event index), NOT_FOUND for an unknown preset.
+absl::StatusOr<ReplayResult> Replay(const Trace& trace,
+                                    const ReplayConfig& config);
+
+// Replays on `driver` (e.g. a CudaDriver on a real GPU), device `device`.
+// config.device / capacity_bytes are ignored; cost_model applies only when
+// `driver` is a SimDriver. REQUIRES: the driver outlives the call.
+absl::StatusOr<ReplayResult> ReplayOnDriver(const Trace& trace, Driver& driver,
+                                            int device,
+                                            const ReplayConfig& config);
+
+struct CapacitySearch {
+  std::uint64_t min_capacity_bytes = 0;  // smallest that ran with no OOM
+  std::uint64_t step_bytes = 0;          // search granularity (2 MiB)
+  std::uint64_t peak_live_bytes = 0;
+  std::uint64_t context_overhead_bytes = 0;
+  int replays = 0;  // replays the bisection ran
+};
+
+// Bisects between peak live + context overhead (too small) and the peak the
+// unconstrained replay used. RESOURCE_EXHAUSTED if even that fails.
+absl::StatusOr<CapacitySearch> FindMinCapacity(const Trace& trace,
+                                               const ReplayConfig& config);
+
+// Parses "key=value,key=value" into `options`. Keys: backing
+// (classic|expandable), max_split_size, round_bytes, small_size_limit,
+// small_segment_bytes, large_segment_bytes, large_round_bytes; sizes accept
+// units (64MiB). INVALID_ARGUMENT naming the bad key or value.
+absl::Status ParseAllocatorConfig(absl::string_view text,
+                                  DeviceAllocatorOptions* options);
+
+// One JSON object with every scalar field (latencies as nested objects,
+// `first_oom` or null, samples only when `with_samples`).
+std::string ReplayResultToJson(const ReplayResult& result,
+                               bool with_samples = false);
+// A human-readable multi-line report.
+std::string ReplayResultToText(const ReplayResult& result);
+
+}  // namespace ctxpool
+
+#endif  // CTXPOOL_TRACE_REPLAY_H_

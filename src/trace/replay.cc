@@ -1,0 +1,591 @@
+#include "ctxpool/trace/replay.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "ctxpool/driver/sim_driver.h"
+#include "ctxpool/status.h"
+
+namespace ctxpool {
+namespace {
+
+constexpr std::uint64_t kCapacityStep = 2 * kMiB;  // VMM granularity
+
+std::int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+absl::StatusOr<SimDeviceSpec> SpecFor(const ReplayConfig& config) {
+  SimDeviceSpec spec;
+  if (!config.device.empty()) {
+    CTXPOOL_ASSIGN_OR_RETURN(spec, SimDevicePreset(config.device));
+  }
+  if (config.capacity_bytes != 0) {
+    spec.capacity_bytes = config.capacity_bytes;
+    if (config.device.empty()) {
+      spec.name = absl::StrCat("simulated GPU (",
+                               FormatBytes(spec.capacity_bytes), ")");
+    }
+  }
+  return spec;
+}
+
+struct LiveAlloc {
+  DevicePtr ptr;
+  std::uint64_t size = 0;
+};
+
+// Everything a replay creates on the driver, released in reverse order.
+class ReplayRun {
+ public:
+  ReplayRun(const Trace& trace, Driver& driver, int device,
+            const ReplayConfig& config)
+      : trace_(trace), driver_(driver), device_(device), config_(config) {
+    sim_ = dynamic_cast<SimDriver*>(&driver);
+  }
+
+  ~ReplayRun() {
+    alloc_.reset();
+    for (const auto& [id, stream] : streams_) {
+      (void)driver_.StreamDestroy(stream);
+    }
+    if (retained_) {
+      (void)driver_.CtxSetCurrent(previous_ctx_);
+      (void)driver_.PrimaryCtxRelease(device_);
+    }
+  }
+
+  absl::StatusOr<ReplayResult> Run();
+
+ private:
+  absl::Status Setup();
+  void Sample(std::size_t index, std::uint64_t live);
+
+  const Trace& trace_;
+  Driver& driver_;
+  const int device_;
+  const ReplayConfig& config_;
+  SimDriver* sim_ = nullptr;
+  bool retained_ = false;
+  ContextHandle previous_ctx_;
+  ContextHandle ctx_;
+  absl::flat_hash_map<std::uint64_t, StreamHandle> streams_;
+  std::unique_ptr<CachingDeviceAllocator> alloc_;
+  ReplayResult result_;
+};
+
+absl::Status ReplayRun::Setup() {
+  CTXPOOL_ASSIGN_OR_RETURN(previous_ctx_, driver_.CtxGetCurrent());
+  CTXPOOL_ASSIGN_OR_RETURN(ctx_, driver_.PrimaryCtxRetain(device_));
+  retained_ = true;
+  CTXPOOL_RETURN_IF_ERROR(driver_.CtxSetCurrent(ctx_));
+  for (const TraceEvent& e : trace_.events()) {
+    if (streams_.contains(e.stream)) continue;
+    CTXPOOL_ASSIGN_OR_RETURN(StreamHandle s,
+                             driver_.StreamCreate(kStreamNonBlocking, 0));
+    streams_.emplace(e.stream, s);
+  }
+  DeviceAllocatorOptions options = config_.allocator;
+  options.context = ctx_;
+  CTXPOOL_ASSIGN_OR_RETURN(alloc_, CachingDeviceAllocator::Create(
+                                       driver_, device_, std::move(options)));
+  return absl::OkStatus();
+}
+
+void ReplayRun::Sample(std::size_t index, std::uint64_t live) {
+  const DeviceAllocatorStats stats = alloc_->Stats();
+  const FragmentationStats frag = alloc_->Fragmentation();
+  FragmentationSample s;
+  s.event_index = index;
+  s.live_bytes = live;
+  s.reserved_bytes =
+      static_cast<std::uint64_t>(stats.total.reserved_bytes[0].current);
+  s.free_bytes = frag.free_bytes;
+  s.largest_free_bytes = frag.largest_free_bytes;
+  s.external = frag.external;
+  result_.max_external_fragmentation =
+      std::max(result_.max_external_fragmentation, s.external);
+  result_.samples.push_back(s);
+}
+
+absl::StatusOr<ReplayResult> ReplayRun::Run() {
+  CTXPOOL_ASSIGN_OR_RETURN(result_.capacity_bytes,
+                           driver_.DeviceTotalMem(device_));
+  result_.device = driver_.Describe();
+  result_.trace_source = trace_.source();
+  const bool sim_costs = sim_ != nullptr && config_.cost_model;
+  std::uint64_t upstream_before = 0, upstream_frees_before = 0;
+  std::int64_t sim_time_before = 0;
+  if (sim_ != nullptr) {
+    result_.context_overhead_bytes =
+        sim_->device_spec(device_).context_overhead_bytes;
+    if (sim_costs) sim_->UseRealisticCosts();
+    sim_time_before = sim_->simulated_time_ns();
+  }
+  CTXPOOL_RETURN_IF_ERROR(Setup());
+  if (sim_ != nullptr) {
+    upstream_before = sim_->call_count(SimCall::kMemAlloc) +
+                      sim_->call_count(SimCall::kMemCreate);
+    upstream_frees_before = sim_->call_count(SimCall::kMemFree) +
+                            sim_->call_count(SimCall::kMemRelease);
+  }
+
+  const std::vector<TraceEvent>& events = trace_.events();
+  const std::size_t n = events.size();
+  const std::size_t sample_every = config_.sample_every != 0
+                                       ? config_.sample_every
+                                       : std::max<std::size_t>(1, n / 200);
+  const std::size_t progress_every =
+      std::max<std::size_t>(1, config_.progress_every);
+  std::vector<std::int64_t> sim_alloc, sim_free, wall_alloc, wall_free;
+  if (sim_costs) {
+    sim_alloc.reserve(n / 2 + 1);
+    sim_free.reserve(n / 2 + 1);
+  }
+  if (config_.wall_latency) {
+    wall_alloc.reserve(n / 2 + 1);
+    wall_free.reserve(n / 2 + 1);
+  }
+  absl::flat_hash_map<std::uint64_t, LiveAlloc> live;
+  live.reserve(1024);
+  absl::flat_hash_set<std::uint64_t> failed;  // trace ptrs whose alloc failed
+  std::uint64_t live_bytes = 0;
+  const std::int64_t start_ns = NowNs();
+
+  for (std::size_t i = 0; i < n; ++i) {
+    const TraceEvent& e = events[i];
+    if (e.op == TraceOp::kAlloc) {
+      const StreamHandle stream = streams_.at(e.stream);
+      const std::int64_t s0 =
+          sim_costs ? SimDriver::thread_simulated_time_ns() : 0;
+      const std::int64_t w0 = config_.wall_latency ? NowNs() : 0;
+      absl::StatusOr<DevicePtr> p = alloc_->Allocate(e.size, stream);
+      if (config_.wall_latency) wall_alloc.push_back(NowNs() - w0);
+      if (sim_costs) {
+        sim_alloc.push_back(SimDriver::thread_simulated_time_ns() - s0);
+      }
+      ++result_.ops;
+      if (!p.ok()) {
+        const absl::StatusCode code = p.status().code();
+        if (code != absl::StatusCode::kResourceExhausted &&
+            code != absl::StatusCode::kInvalidArgument) {
+          return absl::Status(code,
+                              absl::StrCat("event ", i, ": Allocate(", e.size,
+                                           ") failed: ", p.status().message()));
+        }
+        ++result_.ooms;
+        failed.insert(e.ptr);
+        if (!result_.first_oom) {
+          OomInfo oom;
+          oom.event_index = i;
+          oom.requested_bytes = e.size;
+          oom.live_bytes = live_bytes;
+          oom.reserved_bytes = static_cast<std::uint64_t>(
+              alloc_->Stats().total.reserved_bytes[0].current);
+          oom.message = std::string(p.status().message());
+          result_.first_oom = std::move(oom);
+        }
+        if (config_.stop_at_first_oom) {
+          result_.stopped_at_oom = true;
+          break;
+        }
+        continue;
+      }
+      if (!live.emplace(e.ptr, LiveAlloc{*p, e.size}).second) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "event %d: allocation of pointer 0x%x, which is live", i, e.ptr));
+      }
+      ++result_.allocs;
+      live_bytes += e.size;
+      result_.peak_live_bytes = std::max(result_.peak_live_bytes, live_bytes);
+    } else if (e.op == TraceOp::kFree) {
+      auto it = live.find(e.ptr);
+      if (it == live.end()) {
+        if (failed.erase(e.ptr) != 0) {
+          ++result_.skipped_frees;
+          continue;
+        }
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "event %d: free of unknown pointer 0x%x", i, e.ptr));
+      }
+      const std::int64_t s0 =
+          sim_costs ? SimDriver::thread_simulated_time_ns() : 0;
+      const std::int64_t w0 = config_.wall_latency ? NowNs() : 0;
+      absl::Status st = alloc_->Deallocate(it->second.ptr);
+      if (config_.wall_latency) wall_free.push_back(NowNs() - w0);
+      if (sim_costs) {
+        sim_free.push_back(SimDriver::thread_simulated_time_ns() - s0);
+      }
+      if (!st.ok()) {
+        return absl::InternalError(
+            absl::StrCat("event ", i, ": Deallocate failed: ", st.message()));
+      }
+      ++result_.ops;
+      ++result_.frees;
+      live_bytes -= it->second.size;
+      live.erase(it);
+    } else if (e.op == TraceOp::kTrim && config_.replay_trims) {
+      CTXPOOL_RETURN_IF_ERROR(alloc_->Trim(0).status());
+      ++result_.trims;
+    } else {
+      ++result_.skipped_events;
+    }
+    if (i % sample_every == 0) Sample(i, live_bytes);
+    if (config_.progress && (i + 1) % progress_every == 0) {
+      config_.progress(i + 1, n);
+    }
+  }
+  result_.wall_time_ns = NowNs() - start_ns;
+  if (n > 0) Sample(n - 1, live_bytes);
+  if (config_.progress) config_.progress(n, n);
+
+  const DeviceAllocatorStats stats = alloc_->Stats();
+  result_.peak_reserved_bytes =
+      static_cast<std::uint64_t>(stats.total.reserved_bytes[0].peak);
+  result_.end_reserved_bytes =
+      static_cast<std::uint64_t>(stats.total.reserved_bytes[0].current);
+  result_.end_live_bytes = live_bytes;
+  result_.cache_hits = static_cast<std::uint64_t>(stats.cache_hits);
+  if (sim_ != nullptr) {
+    result_.upstream_allocations = sim_->call_count(SimCall::kMemAlloc) +
+                                   sim_->call_count(SimCall::kMemCreate) -
+                                   upstream_before;
+    result_.upstream_frees = sim_->call_count(SimCall::kMemFree) +
+                             sim_->call_count(SimCall::kMemRelease) -
+                             upstream_frees_before;
+    result_.simulated_time_ns = sim_->simulated_time_ns() - sim_time_before;
+  } else {
+    result_.upstream_allocations =
+        static_cast<std::uint64_t>(stats.upstream_allocs);
+    result_.upstream_frees = static_cast<std::uint64_t>(stats.upstream_frees);
+  }
+  if (result_.peak_live_bytes > 0) {
+    result_.peak_reserved_over_live =
+        static_cast<double>(result_.peak_reserved_bytes) /
+        static_cast<double>(result_.peak_live_bytes);
+  }
+  result_.sim_alloc = ComputeLatencyStats(sim_alloc);
+  result_.sim_free = ComputeLatencyStats(sim_free);
+  result_.wall_alloc = ComputeLatencyStats(wall_alloc);
+  result_.wall_free = ComputeLatencyStats(wall_free);
+  return std::move(result_);
+}
+
+void AppendLatencyJson(std::string* out, absl::string_view name,
+                       const LatencyStats& l) {
+  absl::StrAppendFormat(out,
+                        "\"%s\": {\"count\": %d, \"p50_ns\": %d, "
+                        "\"p99_ns\": %d, \"p999_ns\": %d, \"max_ns\": %d, "
+                        "\"mean_ns\": %.1f, \"total_ns\": %d}",
+                        name, l.count, l.p50, l.p99, l.p999, l.max, l.mean,
+                        l.total);
+}
+
+std::string JsonString(absl::string_view s) {
+  std::string out = "\"";
+  for (char c : s) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          absl::StrAppendFormat(&out, "\\u%04x", c);
+        } else {
+          out.push_back(c);
+        }
+    }
+  }
+  out.push_back('"');
+  return out;
+}
+
+std::string LatencyLine(absl::string_view name, const LatencyStats& l) {
+  if (l.count == 0) return absl::StrCat("  ", name, ": not measured\n");
+  return absl::StrFormat(
+      "  %-22s p50 %8d ns  p99 %9d ns  p99.9 %9d ns  max %10d ns  (n=%d)\n",
+      name, l.p50, l.p99, l.p999, l.max, l.count);
+}
+
+}  // namespace
+
+LatencyStats ComputeLatencyStats(std::vector<std::int64_t>& samples) {
+  LatencyStats l;
+  l.count = samples.size();
+  if (samples.empty()) return l;
+  std::sort(samples.begin(), samples.end());
+  auto rank = [&](double q) {
+    // Nearest rank: the smallest value with at least q of samples <= it.
+    const auto k = static_cast<std::size_t>(
+        std::ceil(q * static_cast<double>(samples.size())));
+    return samples[std::clamp<std::size_t>(k, 1, samples.size()) - 1];
+  };
+  l.p50 = rank(0.50);
+  l.p99 = rank(0.99);
+  l.p999 = rank(0.999);
+  l.max = samples.back();
+  for (std::int64_t v : samples) l.total += v;
+  l.mean = static_cast<double>(l.total) / static_cast<double>(samples.size());
+  return l;
+}
+
+absl::StatusOr<ReplayResult> ReplayOnDriver(const Trace& trace, Driver& driver,
+                                            int device,
+                                            const ReplayConfig& config) {
+  ReplayRun run(trace, driver, device, config);
+  return run.Run();
+}
+
+absl::StatusOr<ReplayResult> Replay(const Trace& trace,
+                                    const ReplayConfig& config) {
+  CTXPOOL_ASSIGN_OR_RETURN(SimDeviceSpec spec, SpecFor(config));
+  std::unique_ptr<SimDriver> sim = SimDriver::Create({.devices = {spec}});
+  sim->SetRaceDetection(false);  // replays touch no memory
+  return ReplayOnDriver(trace, *sim, 0, config);
+}
+
+absl::StatusOr<CapacitySearch> FindMinCapacity(const Trace& trace,
+                                               const ReplayConfig& config) {
+  CTXPOOL_ASSIGN_OR_RETURN(SimDeviceSpec spec, SpecFor(config));
+  ReplayConfig probe = config;
+  probe.cost_model = false;
+  probe.wall_latency = false;
+  probe.stop_at_first_oom = true;
+  probe.sample_every = std::numeric_limits<std::size_t>::max();
+  probe.progress = nullptr;
+
+  CapacitySearch out;
+  out.step_bytes = kCapacityStep;
+  out.context_overhead_bytes = spec.context_overhead_bytes;
+  const TraceSummary summary = Summarize(trace);
+  out.peak_live_bytes = summary.peak_live_bytes;
+
+  auto fits = [&](std::uint64_t capacity) -> absl::StatusOr<bool> {
+    ReplayConfig c = probe;
+    c.capacity_bytes = capacity;
+    ++out.replays;
+    CTXPOOL_ASSIGN_OR_RETURN(ReplayResult r, Replay(trace, c));
+    return r.ooms == 0;
+  };
+  auto round_up = [](std::uint64_t v) {
+    return (v + kCapacityStep - 1) / kCapacityStep * kCapacityStep;
+  };
+
+  // Upper bound: a device so large nothing fails, then the most physical
+  // memory that run used.
+  const std::uint64_t need =
+      summary.peak_live_bytes + spec.context_overhead_bytes;
+  const std::uint64_t huge = std::max<std::uint64_t>(
+      std::uint64_t{1} << 40, round_up(4 * need + spec.capacity_bytes));
+  std::uint64_t hi = 0;
+  {
+    ReplayConfig c = probe;
+    c.capacity_bytes = huge;
+    CTXPOOL_ASSIGN_OR_RETURN(SimDeviceSpec s, SpecFor(c));
+    std::unique_ptr<SimDriver> sim = SimDriver::Create({.devices = {s}});
+    sim->SetRaceDetection(false);
+    ++out.replays;
+    CTXPOOL_ASSIGN_OR_RETURN(ReplayResult r, ReplayOnDriver(trace, *sim, 0, c));
+    if (r.ooms != 0) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the trace runs out of memory even on a ", FormatBytes(huge),
+          " device: ", r.first_oom ? r.first_oom->message : ""));
+    }
+    hi = round_up(std::max<std::uint64_t>(sim->peak_used_bytes(0), need));
+  }
+  CTXPOOL_ASSIGN_OR_RETURN(bool hi_fits, fits(hi));
+  while (!hi_fits) {  // not monotone at the top: widen
+    hi += std::max<std::uint64_t>(kCapacityStep, round_up(hi / 16));
+    if (hi > huge) {
+      return absl::ResourceExhaustedError("no capacity found that fits");
+    }
+    CTXPOOL_ASSIGN_OR_RETURN(hi_fits, fits(hi));
+  }
+  // Lower bound: less than live + context overhead cannot fit.
+  std::uint64_t lo = need == 0 ? 0 : (need - 1) / kCapacityStep * kCapacityStep;
+  while (hi - lo > kCapacityStep) {
+    const std::uint64_t mid =
+        lo + (hi - lo) / kCapacityStep / 2 * kCapacityStep;
+    CTXPOOL_ASSIGN_OR_RETURN(bool ok, fits(mid));
+    (ok ? hi : lo) = mid;
+  }
+  out.min_capacity_bytes = hi;
+  return out;
+}
+
+absl::Status ParseAllocatorConfig(absl::string_view text,
+                                  DeviceAllocatorOptions* options) {
+  for (absl::string_view kv : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    std::pair<absl::string_view, absl::string_view> p =
+        absl::StrSplit(kv, absl::MaxSplits('=', 1));
+    const absl::string_view key = absl::StripAsciiWhitespace(p.first);
+    const absl::string_view value = absl::StripAsciiWhitespace(p.second);
+    if (key == "backing") {
+      if (value == "classic") {
+        options->backing = BackingMode::kClassic;
+      } else if (value == "expandable" || value == "vmm") {
+        options->backing = BackingMode::kExpandable;
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--config: backing must be classic or expandable, not '", value,
+            "'"));
+      }
+      continue;
+    }
+    std::size_t* field = nullptr;
+    if (key == "max_split_size") field = &options->max_split_size;
+    if (key == "round_bytes") field = &options->round_bytes;
+    if (key == "small_size_limit") field = &options->small_size_limit;
+    if (key == "small_segment_bytes") field = &options->small_segment_bytes;
+    if (key == "large_segment_bytes") field = &options->large_segment_bytes;
+    if (key == "large_round_bytes") field = &options->large_round_bytes;
+    if (field == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--config: unknown key '", key,
+          "' (known: backing, max_split_size, round_bytes, small_size_limit, "
+          "small_segment_bytes, large_segment_bytes, large_round_bytes)"));
+    }
+    absl::StatusOr<std::uint64_t> bytes = ParseByteSize(value);
+    if (!bytes.ok() || *bytes == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--config: bad size '", value, "' for ", key, " (e.g. 64MiB)"));
+    }
+    *field = static_cast<std::size_t>(*bytes);
+  }
+  return absl::OkStatus();
+}
+
+std::string ReplayResultToJson(const ReplayResult& r, bool with_samples) {
+  std::string out = "{";
+  absl::StrAppendFormat(
+      &out,
+      "\"trace\": %s, \"device\": %s, \"capacity_bytes\": %d, "
+      "\"context_overhead_bytes\": %d, \"ops\": %d, \"allocs\": %d, "
+      "\"frees\": %d, \"skipped_events\": %d, \"skipped_frees\": %d, "
+      "\"trims\": %d, \"peak_live_bytes\": %d, \"peak_reserved_bytes\": %d, "
+      "\"peak_reserved_over_live\": %.4f, \"end_live_bytes\": %d, "
+      "\"end_reserved_bytes\": %d, \"ooms\": %d, \"stopped_at_oom\": %s, "
+      "\"upstream_allocations\": %d, \"upstream_frees\": %d, "
+      "\"cache_hits\": %d, \"max_external_fragmentation\": %.4f, "
+      "\"simulated_time_ns\": %d, \"wall_time_ns\": %d, ",
+      JsonString(r.trace_source), JsonString(r.device), r.capacity_bytes,
+      r.context_overhead_bytes, r.ops, r.allocs, r.frees, r.skipped_events,
+      r.skipped_frees, r.trims, r.peak_live_bytes, r.peak_reserved_bytes,
+      r.peak_reserved_over_live, r.end_live_bytes, r.end_reserved_bytes, r.ooms,
+      r.stopped_at_oom ? "true" : "false", r.upstream_allocations,
+      r.upstream_frees, r.cache_hits, r.max_external_fragmentation,
+      r.simulated_time_ns, r.wall_time_ns);
+  if (r.first_oom) {
+    absl::StrAppendFormat(
+        &out,
+        "\"first_oom\": {\"event_index\": %d, \"requested_bytes\": %d, "
+        "\"live_bytes\": %d, \"reserved_bytes\": %d, \"message\": %s}, ",
+        r.first_oom->event_index, r.first_oom->requested_bytes,
+        r.first_oom->live_bytes, r.first_oom->reserved_bytes,
+        JsonString(r.first_oom->message));
+  } else {
+    out += "\"first_oom\": null, ";
+  }
+  out += "\"latency\": {";
+  AppendLatencyJson(&out, "sim_allocate", r.sim_alloc);
+  out += ", ";
+  AppendLatencyJson(&out, "sim_deallocate", r.sim_free);
+  out += ", ";
+  AppendLatencyJson(&out, "wall_allocate", r.wall_alloc);
+  out += ", ";
+  AppendLatencyJson(&out, "wall_deallocate", r.wall_free);
+  out += "}";
+  if (with_samples) {
+    out += ", \"samples\": [";
+    for (std::size_t i = 0; i < r.samples.size(); ++i) {
+      const FragmentationSample& s = r.samples[i];
+      absl::StrAppendFormat(
+          &out,
+          "%s{\"event\": %d, \"live_bytes\": %d, \"reserved_bytes\": %d, "
+          "\"free_bytes\": %d, \"largest_free_bytes\": %d, "
+          "\"external\": %.4f}",
+          i == 0 ? "" : ", ", s.event_index, s.live_bytes, s.reserved_bytes,
+          s.free_bytes, s.largest_free_bytes, s.external);
+    }
+    out += "]";
+  }
+  out += "}";
+  return out;
+}
+
+std::string ReplayResultToText(const ReplayResult& r) {
+  std::string out;
+  absl::StrAppendFormat(&out, "trace:            %s\n", r.trace_source);
+  absl::StrAppendFormat(&out, "device:           %s (%s", r.device,
+                        FormatBytes(r.capacity_bytes));
+  if (r.context_overhead_bytes != 0) {
+    absl::StrAppendFormat(&out, ", context %s",
+                          FormatBytes(r.context_overhead_bytes));
+  }
+  out += ")\n";
+  absl::StrAppendFormat(&out,
+                        "ops:              %d (%d allocs, %d frees; %d "
+                        "events skipped)\n",
+                        r.ops, r.allocs, r.frees, r.skipped_events);
+  absl::StrAppendFormat(&out, "peak live:        %s\n",
+                        FormatBytes(r.peak_live_bytes));
+  absl::StrAppendFormat(&out, "peak reserved:    %s (x%.3f of peak live)\n",
+                        FormatBytes(r.peak_reserved_bytes),
+                        r.peak_reserved_over_live);
+  absl::StrAppendFormat(&out, "end:              %s live, %s reserved\n",
+                        FormatBytes(r.end_live_bytes),
+                        FormatBytes(r.end_reserved_bytes));
+  absl::StrAppendFormat(&out,
+                        "upstream:         %d allocations, %d frees "
+                        "(cuMemAlloc+cuMemCreate / cuMemFree+cuMemRelease)\n",
+                        r.upstream_allocations, r.upstream_frees);
+  absl::StrAppendFormat(&out, "fragmentation:    max external %.3f\n",
+                        r.max_external_fragmentation);
+  if (r.first_oom) {
+    absl::StrAppendFormat(
+        &out,
+        "OOMs:             %d; first at event %d: %s requested, %s live, %s "
+        "reserved%s\n",
+        r.ooms, r.first_oom->event_index,
+        FormatBytes(r.first_oom->requested_bytes),
+        FormatBytes(r.first_oom->live_bytes),
+        FormatBytes(r.first_oom->reserved_bytes),
+        r.stopped_at_oom ? " (stopped)" : "");
+  } else {
+    out += "OOMs:             0\n";
+  }
+  out += "latency:\n";
+  out += LatencyLine("Allocate (sim cost)", r.sim_alloc);
+  out += LatencyLine("Deallocate (sim cost)", r.sim_free);
+  out += LatencyLine("Allocate (wall clock)", r.wall_alloc);
+  out += LatencyLine("Deallocate (wall clock)", r.wall_free);
+  absl::StrAppendFormat(&out,
+                        "time:             %.3f ms wall, %.3f ms simulated "
+                        "driver time\n",
+                        static_cast<double>(r.wall_time_ns) / 1e6,
+                        static_cast<double>(r.simulated_time_ns) / 1e6);
+  return out;
+}
+
+}  // namespace ctxpool

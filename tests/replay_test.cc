@@ -1,0 +1,228 @@
+#include "ctxpool/trace/replay.h"
+
+#include <cstdlib>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "ctxpool/driver/sim_driver.h"
+#include "ctxpool/trace/trace.h"
+#include "ctxpool/trace/trace_io.h"
+#include "ctxpool/trace/workloads.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace ctxpool {
+namespace {
+
+using ::testing::HasSubstr;
+
+TraceEvent Alloc(std::uint64_t ptr, std::uint64_t size, std::uint64_t s = 0) {
+  return {.op = TraceOp::kAlloc, .ptr = ptr, .size = size, .stream = s};
+}
+TraceEvent Free(std::uint64_t ptr, std::uint64_t size, std::uint64_t s = 0) {
+  return {.op = TraceOp::kFree, .ptr = ptr, .size = size, .stream = s};
+}
+
+TEST(Replay, CountsOpsLiveAndReserved) {
+  Trace t;
+  t.Append(Alloc(1, 100 << 20));
+  t.Append(Alloc(2, 4096));
+  t.Append({.op = TraceOp::kSegmentMap, .ptr = 9, .size = 2 << 20});
+  t.Append(Free(1, 100 << 20));
+  t.Append(Alloc(3, 50 << 20));  // fits in the freed 100 MiB: a cache hit
+  absl::StatusOr<ReplayResult> r = Replay(t, {});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->ops, 4u);
+  EXPECT_EQ(r->allocs, 3u);
+  EXPECT_EQ(r->frees, 1u);
+  EXPECT_EQ(r->skipped_events, 1u);
+  EXPECT_EQ(r->ooms, 0u);
+  EXPECT_FALSE(r->first_oom.has_value());
+  EXPECT_EQ(r->peak_live_bytes, (100u << 20) + 4096u);
+  EXPECT_EQ(r->end_live_bytes, (50u << 20) + 4096u);
+  EXPECT_GE(r->peak_reserved_bytes, r->peak_live_bytes);
+  // One large segment for 100 MiB and one small segment for 4 KiB; the
+  // 50 MiB request reuses the cached large block.
+  EXPECT_EQ(r->upstream_allocations, 2u);
+  EXPECT_GE(r->cache_hits, 1u);
+  EXPECT_EQ(r->wall_alloc.count, 3u);
+  EXPECT_EQ(r->wall_free.count, 1u);
+  EXPECT_FALSE(r->samples.empty());
+}
+
+TEST(Replay, IsDeterministic) {
+  const Trace t =
+      MultiStream({.seed = 11, .streams = 3, .ops_per_stream = 600});
+  ReplayConfig c;
+  c.device = "a10-24gb";
+  absl::StatusOr<ReplayResult> a = Replay(t, c);
+  absl::StatusOr<ReplayResult> b = Replay(t, c);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(a->ops, b->ops);
+  EXPECT_EQ(a->peak_live_bytes, b->peak_live_bytes);
+  EXPECT_EQ(a->peak_reserved_bytes, b->peak_reserved_bytes);
+  EXPECT_EQ(a->upstream_allocations, b->upstream_allocations);
+  EXPECT_EQ(a->cache_hits, b->cache_hits);
+  EXPECT_EQ(a->ooms, b->ooms);
+  EXPECT_EQ(a->simulated_time_ns, b->simulated_time_ns);
+  EXPECT_EQ(a->sim_alloc.p99, b->sim_alloc.p99);
+  EXPECT_EQ(a->sim_alloc.max, b->sim_alloc.max);
+  ASSERT_EQ(a->samples.size(), b->samples.size());
+  for (std::size_t i = 0; i < a->samples.size(); ++i) {
+    EXPECT_EQ(a->samples[i].reserved_bytes, b->samples[i].reserved_bytes);
+    EXPECT_EQ(a->samples[i].largest_free_bytes,
+              b->samples[i].largest_free_bytes);
+  }
+  // The trace's peak live is the allocator-independent number.
+  EXPECT_EQ(a->peak_live_bytes, Summarize(t).peak_live_bytes);
+  // The JSON form carries the required keys.
+  const std::string json = ReplayResultToJson(*a);
+  for (const char* key :
+       {"\"ops\"", "\"peak_live_bytes\"", "\"peak_reserved_bytes\"", "\"ooms\"",
+        "\"upstream_allocations\"", "\"wall_time_ns\"", "\"p999_ns\""}) {
+    EXPECT_THAT(json, HasSubstr(key));
+  }
+}
+
+TEST(Replay, CostModelGivesSimulatedLatencyPercentiles) {
+  const Trace t =
+      MixedSizes({.seed = 2, .ops = 2000, .max_live_bytes = 2ull << 30});
+  ReplayConfig c;
+  c.cost_model = true;
+  absl::StatusOr<ReplayResult> r = Replay(t, c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->sim_alloc.count, r->allocs);
+  // Most allocations hit the cache (no driver call, zero simulated cost);
+  // the ones that map a segment pay cuMemAlloc: jitter is visible.
+  EXPECT_EQ(r->sim_alloc.p50, 0);
+  EXPECT_GT(r->sim_alloc.max, 0);
+  EXPECT_LE(r->sim_alloc.p50, r->sim_alloc.p99);
+  EXPECT_LE(r->sim_alloc.p99, r->sim_alloc.p999);
+  EXPECT_LE(r->sim_alloc.p999, r->sim_alloc.max);
+  EXPECT_GT(r->simulated_time_ns, 0);
+
+  c.cost_model = false;
+  absl::StatusOr<ReplayResult> free_run = Replay(t, c);
+  ASSERT_TRUE(free_run.ok());
+  EXPECT_EQ(free_run->sim_alloc.count, 0u);
+  EXPECT_EQ(free_run->peak_reserved_bytes, r->peak_reserved_bytes);
+}
+
+TEST(Replay, ReportsTheFirstOomAndContinuesOrStops) {
+  Trace t;
+  t.Append(Alloc(1, 6ull << 30));
+  t.Append(Alloc(2, 6ull << 30));  // the second does not fit in 8 GiB
+  t.Append(Alloc(3, 1 << 20));
+  t.Append(Free(2, 6ull << 30));  // free of the failed allocation: skipped
+  t.Append(Free(1, 6ull << 30));
+  ReplayConfig c;
+  c.capacity_bytes = 8ull << 30;
+  absl::StatusOr<ReplayResult> r = Replay(t, c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->ooms, 1u);
+  ASSERT_TRUE(r->first_oom.has_value());
+  EXPECT_EQ(r->first_oom->event_index, 1u);
+  EXPECT_EQ(r->first_oom->requested_bytes, 6ull << 30);
+  EXPECT_EQ(r->first_oom->live_bytes, 6ull << 30);
+  EXPECT_EQ(r->skipped_frees, 1u);
+  EXPECT_EQ(r->allocs, 2u);
+  EXPECT_EQ(r->frees, 1u);
+  EXPECT_FALSE(r->stopped_at_oom);
+
+  c.stop_at_first_oom = true;
+  r = Replay(t, c);
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->stopped_at_oom);
+  EXPECT_EQ(r->ops, 2u);
+}
+
+TEST(Replay, RejectsFreeOfUnknownPointerWithEventIndex) {
+  Trace t;
+  t.Append(Alloc(1, 512));
+  t.Append(Free(2, 512));
+  absl::StatusOr<ReplayResult> r = Replay(t, {});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(),
+              HasSubstr("event 1: free of unknown pointer 0x2"));
+}
+
+TEST(Replay, UnknownPresetIsNotFound) {
+  ReplayConfig c;
+  c.device = "gtx-9000";
+  EXPECT_EQ(Replay(Trace(), c).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(Replay, OnAGivenDriverWithSeveralStreams) {
+  std::unique_ptr<SimDriver> sim = SimDriver::Create();
+  const Trace t = MultiStream({.seed = 1, .streams = 4, .ops_per_stream = 200});
+  ReplayConfig c;
+  ASSERT_TRUE(ParseAllocatorConfig("max_split_size=64MiB", &c.allocator).ok());
+  absl::StatusOr<ReplayResult> r = ReplayOnDriver(t, *sim, 0, c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->ooms, 0u);
+  EXPECT_EQ(r->ops, Summarize(t).allocs + Summarize(t).frees);
+  // Everything the replay made on the driver is gone again.
+  EXPECT_EQ(sim->misuse_count(), 0u)
+      << ::testing::PrintToString(sim->misuse_log());
+  EXPECT_EQ(sim->primary_ctx_refcount(0), 0);
+  EXPECT_EQ(sim->used_bytes(0), 0u);
+}
+
+TEST(FindMinCapacity, FindsTheOomFrontier) {
+  Trace t;
+  t.Append(Alloc(1, 1ull << 30));
+  t.Append(Alloc(2, 512ull << 20));
+  t.Append(Free(1, 1ull << 30));
+  t.Append(Alloc(3, 300ull << 20));
+  ReplayConfig c;
+  absl::StatusOr<CapacitySearch> s = FindMinCapacity(t, c);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->peak_live_bytes, (1ull << 30) + (512ull << 20));
+  EXPECT_EQ(s->step_bytes, 2u << 20);
+  EXPECT_GE(s->min_capacity_bytes,
+            s->peak_live_bytes + s->context_overhead_bytes);
+  EXPECT_EQ(s->min_capacity_bytes % s->step_bytes, 0u);
+  // The frontier: it fits there and not one step below.
+  c.capacity_bytes = s->min_capacity_bytes;
+  EXPECT_EQ(Replay(t, c)->ooms, 0u);
+  c.capacity_bytes = s->min_capacity_bytes - s->step_bytes;
+  EXPECT_GT(Replay(t, c)->ooms, 0u);
+}
+
+TEST(ParseAllocatorConfig, SetsKnownKeysAndRejectsOthers) {
+  DeviceAllocatorOptions o;
+  ASSERT_TRUE(ParseAllocatorConfig("max_split_size=64MiB, backing=classic,"
+                                   "large_segment_bytes=40MiB",
+                                   &o)
+                  .ok());
+  EXPECT_EQ(o.max_split_size, 64u << 20);
+  EXPECT_EQ(o.large_segment_bytes, 40u << 20);
+  EXPECT_EQ(o.backing, BackingMode::kClassic);
+  ASSERT_TRUE(ParseAllocatorConfig("backing=expandable", &o).ok());
+  EXPECT_EQ(o.backing, BackingMode::kExpandable);
+  EXPECT_THAT(ParseAllocatorConfig("colour=red", &o).message(),
+              HasSubstr("unknown key 'colour'"));
+  EXPECT_THAT(ParseAllocatorConfig("max_split_size=lots", &o).message(),
+              HasSubstr("bad size 'lots'"));
+  EXPECT_THAT(ParseAllocatorConfig("backing=magic", &o).message(),
+              HasSubstr("classic or expandable"));
+}
+
+TEST(LatencyStats, NearestRankPercentiles) {
+  std::vector<std::int64_t> v;
+  for (int i = 1000; i >= 1; --i) v.push_back(i);
+  const LatencyStats l = ComputeLatencyStats(v);
+  EXPECT_EQ(l.count, 1000u);
+  EXPECT_EQ(l.p50, 500);
+  EXPECT_EQ(l.p99, 990);
+  EXPECT_EQ(l.p999, 999);
+  EXPECT_EQ(l.max, 1000);
+  EXPECT_DOUBLE_EQ(l.mean, 500.5);
+  std::vector<std::int64_t> empty;
+  EXPECT_EQ(ComputeLatencyStats(empty).count, 0u);
+}
+
+}  // namespace
+}  // namespace ctxpool
