@@ -28,7 +28,10 @@
   X("info",                                                           \
     "show the build, the CUDA driver, the devices (or the simulated " \
     "fallback)",                                                      \
-    RunInfo)
+    RunInfo)                                                          \
+  X("replay", "replay an allocation trace on a simulated device or the GPU", \
+    RunReplay)                                                        \
+  X("report", "summarise an allocation trace as a table", RunReport)
 
 namespace ctxpool::tool {
 
