@@ -63,7 +63,8 @@ bool ParseClockTime(absl::string_view s, std::int64_t* ns) {
     }
   }
   for (; digits < 9; ++digits) frac *= 10;
-  if (h > 1'000'000'000) return false;
+  // Hours up to 2e6 (228 years) keep the nanoseconds inside int64.
+  if (h > 2'000'000 || m >= 60 || sec > 60) return false;
   *ns = static_cast<std::int64_t>(((h * 60 + m) * 60 + sec) * 1'000'000'000 +
                                   frac);
   return true;
