@@ -144,6 +144,30 @@ TEST_F(SimDriverTest, LegacyDefaultStreamWaitsForBlockingStreams) {
   EXPECT_TRUE(*sim_->EventQuery(on_null));
 }
 
+TEST_F(SimDriverTest, LegacyDefaultStreamOrdersAccesses) {
+  DevicePtr p = *sim_->MemAlloc(1 << 20);
+  StreamHandle blocking = *sim_->StreamCreate(kStreamDefault, 0);
+  StreamHandle nonblocking = NewStream();
+  ASSERT_TRUE(sim_->Touch(blocking, p, 4096).ok());
+  ASSERT_TRUE(sim_->Touch(StreamHandle(), p, 4096).ok());
+  ASSERT_TRUE(sim_->Touch(blocking, p, 4096).ok());
+  EXPECT_EQ(sim_->race_count(), 0u);
+  ASSERT_TRUE(sim_->Touch(nonblocking, p, 4096).ok());
+  EXPECT_EQ(sim_->race_count(), 1u);  // non-blocking streams are not ordered
+  ASSERT_TRUE(sim_->MemFree(p).ok());
+}
+
+TEST_F(SimDriverTest, DestroyingAContextFreesItsMemory) {
+  const std::size_t before = sim_->used_bytes(0);
+  ContextHandle other = *sim_->CtxCreate(0, 0);
+  ASSERT_TRUE(sim_->MemAlloc(64 * kMiB).ok());
+  StreamHandle s = NewStream();
+  EXPECT_GT(sim_->used_bytes(0), before + 64 * kMiB);
+  ASSERT_TRUE(sim_->CtxDestroy(other).ok());
+  EXPECT_EQ(sim_->used_bytes(0), before);
+  ExpectMisuse(sim_->StreamQuery(s).status(), cu::kErrorInvalidHandle);
+}
+
 TEST_F(SimDriverTest, HostFuncsRunInStreamOrder) {
   StreamHandle s = NewStream();
   struct Log {
