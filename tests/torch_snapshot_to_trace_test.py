@@ -160,6 +160,42 @@ def test_real_snapshots(ctxpool, traces_dir, tmp):
                   f"{path}: report and replay agree on peak live")
 
 
+def test_tool_on_test_data(ctxpool):
+    """The tool's JSON has the documented keys; bad traces fail with a line."""
+    if ctxpool is None:
+        return
+    data = os.path.join(HERE, "data")
+    r = run_json([ctxpool, "replay", os.path.join(data, "rmm_small.csv"),
+                  "--json", "--find-min-capacity", "--device", "l4-24gb",
+                  "--config", "backing=classic,max_split_size=64MiB"])
+    if r is not None:
+        for key in ("ops", "peak_live_bytes", "peak_reserved_bytes", "ooms",
+                    "upstream_allocations", "wall_time_ns", "latency",
+                    "min_capacity"):
+            check(key in r, f"replay --json has {key}")
+        check(r.get("ops") == 7, f"rmm_small.csv ops: {r.get('ops')}")
+        check(r.get("skipped_events") == 1, "the logged failure is skipped")
+        check(r["min_capacity"]["min_capacity_bytes"] >
+              r["peak_live_bytes"], "min capacity above peak live")
+    rep = run_json([ctxpool, "report", os.path.join(data, "rmm_small.csv"),
+                    "--json"])
+    if rep is not None:
+        check(rep.get("allocs") == 4 and rep.get("frees") == 3,
+              f"report counts: {rep}")
+    bad = os.path.join(data, "bad_unknown_free.csv")
+    p = subprocess.run([ctxpool, "replay", bad], capture_output=True,
+                       text=True, check=False)
+    check(p.returncode == 1 and f"{bad}:5: free of unknown pointer" in
+          p.stderr, f"bad trace: exit {p.returncode}: {p.stderr.strip()}")
+    p = subprocess.run([ctxpool, "replay", bad, "--unknown-free",
+                        "synthesize", "--json"], capture_output=True,
+                       text=True, check=False)
+    check(p.returncode == 0, f"--unknown-free synthesize: {p.stderr}")
+    p = subprocess.run([ctxpool, "replay"], capture_output=True, text=True,
+                       check=False)
+    check(p.returncode == 2 and "usage" in p.stderr, "usage error exits 2")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctxpool", help="path of the ctxpool tool")
@@ -167,6 +203,7 @@ def main():
     args = ap.parse_args()
     test_synthetic()
     test_refuses_globals()
+    test_tool_on_test_data(args.ctxpool)
     with tempfile.TemporaryDirectory() as tmp:
         test_real_snapshots(args.ctxpool, args.traces, tmp)
     if FAILURES:
