@@ -330,6 +330,12 @@ class CachingDeviceAllocator::Impl {
     if (ctx.status().ok()) {
       int waits = 0;
       SyncPending(&waits);
+      if (!force && !pending_.empty()) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "Reset: %d freed blocks are still in use by streams that cannot "
+            "be waited for",
+            pending_.size()));
+      }
       absl::flat_hash_set<std::uint64_t> idle;
       for (const auto& [base, seg] : segments_) {
         StreamState* owner = Owner(seg.get());

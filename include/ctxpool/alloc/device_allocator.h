@@ -8,18 +8,31 @@
 //
 //   * Requests round up to 512 B. Requests <= 1 MiB come from the small pool
 //     (2 MiB segments); larger ones from the large pool (20 MiB segments, or
-//     the request rounded up to 2 MiB).
+//     for requests >= 10 MiB a segment of their own, rounded up to 2 MiB).
+//     A split leaves no tiny remainder: the small pool splits when >= 512 B
+//     remain, the large pool when > 1 MiB remain (the rules are in
+//     ctxpool/core/size_classes.h).
 //   * Free blocks are indexed by (size, address) per (stream, pool): best fit
-//     in O(log n). Blocks are split on allocate and coalesced with free
-//     neighbours on free. Blocks larger than max_split_size are not split.
+//     in O(log n) with an intrusive index (ctxpool/core/free_index.h), so
+//     inserting and erasing never allocates. Blocks are split on allocate and
+//     coalesced with free neighbours on free. Blocks larger than
+//     max_split_size are not split.
 //   * Stream order: a block freed with Deallocate is reusable at once by later
 //     work on the stream it was allocated on. A block also used on other
 //     streams (RecordStream) returns to the cache only when events recorded on
-//     those streams complete; they are polled on later calls, never waited on
-//     by the hot path.
+//     those streams complete; they are polled (cuEventQuery) when an Allocate
+//     misses the cache and by Trim, never waited on by Allocate. Events come
+//     from a pool: no event is created per free.
 //   * A wholly free segment of one stream may be reused by another: the
 //     allocator records an event on the owner stream and makes the new stream
-//     wait on it (cuStreamWaitEvent) — ordering without a host synchronise.
+//     wait on it (cuStreamWaitEvent) — ordering without a host synchronise
+//     (counted in num_stream_waits).
+//   * Destroyed streams: a block whose allocation stream was destroyed before
+//     Deallocate is freed as usual. When the allocator later needs that
+//     stream (to reuse or release its memory) the driver answers
+//     CUDA_ERROR_INVALID_HANDLE; the allocator then waits once for the
+//     context's work (cuCtxSynchronize, counted in num_host_syncs and
+//     destroyed_streams) and treats the stream's memory as idle.
 //   * Out of memory: free the cached blocks of the requesting stream, then all
 //     cached memory (waiting only on the streams concerned), retry once; then
 //     call the user's OOM callback, which may free memory and ask for one more
@@ -38,8 +51,15 @@
 // must be deallocated like any other; this keeps "every successful Allocate
 // has one Deallocate" true for callers such as PyTorch that ask for 0 bytes.
 //
-// Thread-safety: all methods are thread-safe. The cached path of Allocate and
-// Deallocate takes one lock, makes no driver call and no heap allocation.
+// Thread-safety: all methods are thread-safe (one absl::Mutex). The cached
+// path of Allocate and Deallocate takes that lock once, makes no driver call
+// and no heap allocation. Slow paths make the allocator's context current
+// around their driver calls (ScopedContext) and restore the caller's.
+//
+// Invariants (checked by CheckInvariants(), listed in device_allocator.cc):
+// segments are tiled exactly by coalesced blocks; every free block is in
+// exactly one free index; reserved == allocated + pending_free + free; every
+// statistic equals its sum over blocks, per stream and in total.
 #ifndef CTXPOOL_ALLOC_DEVICE_ALLOCATOR_H_
 #define CTXPOOL_ALLOC_DEVICE_ALLOCATOR_H_
 
@@ -158,7 +178,10 @@ struct TrimResult {
 
 class CachingDeviceAllocator {
  public:
-  // Creates an allocator for `device`. The driver must outlive it.
+  // Creates an allocator for `device`. The driver must outlive it. Retains
+  // the device's primary context unless options.context is set.
+  // INVALID_ARGUMENT for inconsistent options, UNIMPLEMENTED for
+  // BackingMode::kExpandable (not available yet), or the driver's error.
   static absl::StatusOr<std::unique_ptr<CachingDeviceAllocator>> Create(
       Driver& driver, int device, DeviceAllocatorOptions options = {});
 
@@ -169,8 +192,12 @@ class CachingDeviceAllocator {
   CachingDeviceAllocator& operator=(const CachingDeviceAllocator&) = delete;
 
   // Returns a block of at least `bytes` usable by work on `stream` in stream
-  // order. INVALID_ARGUMENT for sizes no device could hold (> total memory);
-  // RESOURCE_EXHAUSTED with an OomReport when memory runs out.
+  // order: work enqueued on `stream` after this call may use it at once.
+  // INVALID_ARGUMENT (invalid_requests += 1) for sizes no device could hold
+  // (> the device's total memory); RESOURCE_EXHAUSTED with the OomReport in
+  // the message when memory runs out (after the OOM path in the banner).
+  // REQUIRES: `stream` is a live stream of the allocator's context (or the
+  // null stream). Calls options.on_oom, if set, without the lock.
   absl::StatusOr<DevicePtr> Allocate(std::size_t bytes, StreamHandle stream);
 
   // Returns `ptr` to the cache, ordered after the work already enqueued on its
@@ -180,18 +207,29 @@ class CachingDeviceAllocator {
   absl::Status Deallocate(DevicePtr ptr) noexcept;
 
   // Marks that work on `stream` uses `ptr`: after Deallocate the block is not
-  // reused until that work completes.
+  // reused until the work enqueued on `stream` before the Deallocate
+  // completes. The caller orders `stream`'s use after the allocation
+  // stream's (as with any cross-stream use). A no-op for the allocation
+  // stream. INVALID_ARGUMENT for a pointer that is not a live block.
   absl::Status RecordStream(DevicePtr ptr, StreamHandle stream);
 
   // Returns cached memory to the driver until at most `keep_bytes` stay
-  // reserved beyond live blocks. Never releases memory a pending stream may
-  // still touch: waits on that stream's event (counted in the result).
+  // reserved beyond live blocks, largest wholly free segments first. First
+  // waits for the events of pending frees. Never releases memory a pending
+  // stream may still touch: waits on that stream's event (counted in the
+  // result and in num_host_syncs); memory it cannot wait for stays
+  // (busy_bytes). A driver error leaves the segment cached and is returned.
   absl::StatusOr<TrimResult> Trim(std::size_t keep_bytes = 0);
 
-  // Drops everything. With live allocations it fails with
-  // FAILED_PRECONDITION listing them, unless `force`.
+  // Drops everything: waits for the owner streams' queued work, then frees
+  // every segment. With live allocations it fails with FAILED_PRECONDITION
+  // listing them (pointer, size, stream) and changes nothing, unless `force`
+  // (their pointers become invalid). Counters and peaks are kept.
   absl::Status Reset(bool force = false);
 
+  // Copies of the statistics (PyTorch-shaped, per pool and per stream), the
+  // fragmentation figures, and every segment with its blocks. O(streams) for
+  // Stats, O(blocks) for Snapshot; each is consistent (taken under the lock).
   DeviceAllocatorStats Stats() const;
   FragmentationStats Fragmentation() const;
   AllocatorSnapshot Snapshot() const;
