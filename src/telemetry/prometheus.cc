@@ -1,0 +1,256 @@
+#include "ctxpool/telemetry/prometheus.h"
+
+#include <cstdint>
+#include <functional>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "ctxpool/alloc/device_allocator.h"
+
+namespace ctxpool {
+namespace {
+
+constexpr int kAgg = static_cast<int>(StatPool::kAggregate);
+
+// What one device contributes, read once.
+struct DeviceSample {
+  int device = 0;
+  DeviceAllocatorStats alloc;
+  FragmentationStats frag;
+  DeviceContextStats ctx;
+  std::size_t context_bytes = 0;
+  std::vector<std::pair<std::string, SessionStats>> sessions;
+  std::vector<std::pair<std::string, ModelLeakTotals>> totals;
+};
+
+DeviceSample Sample(const DeviceContext& dc) {
+  DeviceSample s;
+  s.device = dc.device();
+  s.alloc = dc.device_allocator().Stats();
+  s.frag = dc.device_allocator().Fragmentation();
+  s.ctx = dc.Stats();
+  s.context_bytes = dc.initial_context_report().context_bytes;
+  dc.ForEachSession([&s](const ModelSession& session) {
+    s.sessions.emplace_back(session.name(), session.Stats());
+  });
+  s.totals = dc.ModelTotals();
+  return s;
+}
+
+std::string Number(std::int64_t v) { return absl::StrCat(v); }
+std::string Number(std::size_t v) { return absl::StrCat(v); }
+std::string Number(int v) { return absl::StrCat(v); }
+std::string Number(double v) { return absl::StrFormat("%.6g", v); }
+
+class Writer {
+ public:
+  // Starts a family.
+  void Family(absl::string_view name, absl::string_view type,
+              absl::string_view help) {
+    name_ = std::string(name);
+    absl::StrAppend(&out_, "# HELP ", name, " ", help, "\n# TYPE ", name, " ",
+                    type, "\n");
+  }
+  void Sample(int device, const std::string& value) {
+    absl::StrAppend(&out_, name_, "{device=\"", device, "\"} ", value, "\n");
+  }
+  void Sample(int device, absl::string_view model, const std::string& value) {
+    absl::StrAppend(&out_, name_, "{device=\"", device, "\",model=\"",
+                    EscapePrometheusLabelValue(model), "\"} ", value, "\n");
+  }
+  void Raw(absl::string_view text) { absl::StrAppend(&out_, text); }
+  std::string Take() { return std::move(out_); }
+
+ private:
+  std::string name_;
+  std::string out_;
+};
+
+using DeviceValue = std::function<std::string(const DeviceSample&)>;
+using SessionValue = std::function<std::string(const SessionStats&)>;
+using TotalsValue = std::function<std::string(const ModelLeakTotals&)>;
+
+void DeviceFamily(Writer& w, const std::vector<DeviceSample>& samples,
+                  absl::string_view name, absl::string_view type,
+                  absl::string_view help, const DeviceValue& value) {
+  w.Family(name, type, help);
+  for (const DeviceSample& s : samples) w.Sample(s.device, value(s));
+}
+
+void SessionFamily(Writer& w, const std::vector<DeviceSample>& samples,
+                   absl::string_view name, absl::string_view type,
+                   absl::string_view help, const SessionValue& value) {
+  w.Family(name, type, help);
+  for (const DeviceSample& s : samples) {
+    for (const auto& [model, stats] : s.sessions) {
+      w.Sample(s.device, model, value(stats));
+    }
+  }
+}
+
+void TotalsFamily(Writer& w, const std::vector<DeviceSample>& samples,
+                  absl::string_view name, absl::string_view help,
+                  const TotalsValue& value) {
+  w.Family(name, "counter", help);
+  for (const DeviceSample& s : samples) {
+    for (const auto& [model, totals] : s.totals) {
+      w.Sample(s.device, model, value(totals));
+    }
+  }
+}
+
+std::string Render(const std::vector<DeviceSample>& d) {
+  Writer w;
+  using S = DeviceSample;
+  DeviceFamily(w, d, "ctxpool_device_live_bytes", "gauge",
+               "Bytes of live allocations in the device allocator.",
+               [](const S& s) {
+                 return Number(s.alloc.total.allocated_bytes[kAgg].current);
+               });
+  DeviceFamily(w, d, "ctxpool_device_mapped_bytes", "gauge",
+               "Bytes the device allocator holds from the driver.",
+               [](const S& s) {
+                 return Number(s.alloc.total.reserved_bytes[kAgg].current);
+               });
+  DeviceFamily(w, d, "ctxpool_device_cached_bytes", "gauge",
+               "Bytes held from the driver but not allocated (mapped - live).",
+               [](const S& s) {
+                 return Number(s.alloc.total.reserved_bytes[kAgg].current -
+                               s.alloc.total.allocated_bytes[kAgg].current);
+               });
+  DeviceFamily(w, d, "ctxpool_device_peak_bytes", "gauge",
+               "Peak bytes of live allocations.", [](const S& s) {
+                 return Number(s.alloc.total.allocated_bytes[kAgg].peak);
+               });
+  DeviceFamily(w, d, "ctxpool_device_peak_mapped_bytes", "gauge",
+               "Peak bytes held from the driver.", [](const S& s) {
+                 return Number(s.alloc.total.reserved_bytes[kAgg].peak);
+               });
+  DeviceFamily(w, d, "ctxpool_device_fragmentation_ratio", "gauge",
+               "External fragmentation of cached memory: 1 - largest free "
+               "block / free bytes.",
+               [](const S& s) { return Number(s.frag.external); });
+  DeviceFamily(w, d, "ctxpool_device_context_bytes", "gauge",
+               "Device memory taken by the primary context.",
+               [](const S& s) { return Number(s.context_bytes); });
+  DeviceFamily(w, d, "ctxpool_device_open_sessions", "gauge",
+               "Model sessions open on the device.",
+               [](const S& s) { return Number(s.ctx.open_sessions); });
+  DeviceFamily(w, d, "ctxpool_device_streams", "gauge",
+               "Streams of the device's stream pool (idle and leased).",
+               [](const S& s) { return Number(s.ctx.streams_created); });
+  DeviceFamily(w, d, "ctxpool_device_ooms_total", "counter",
+               "Allocations that failed for lack of device memory.",
+               [](const S& s) { return Number(s.alloc.num_ooms); });
+  DeviceFamily(w, d, "ctxpool_device_trims_total", "counter",
+               "Trims that returned cached memory to the driver.",
+               [](const S& s) { return Number(s.alloc.num_trims); });
+  DeviceFamily(w, d, "ctxpool_device_cache_hits_total", "counter",
+               "Allocations served from the cache without a driver call.",
+               [](const S& s) { return Number(s.alloc.cache_hits); });
+  DeviceFamily(w, d, "ctxpool_device_upstream_allocs_total", "counter",
+               "Driver allocations (cuMemAlloc / cuMemCreate).",
+               [](const S& s) { return Number(s.alloc.upstream_allocs); });
+  DeviceFamily(w, d, "ctxpool_device_leaked_bytes_total", "counter",
+               "Bytes still live when their session closed (reclaimed).",
+               [](const S& s) { return Number(s.ctx.leaked_bytes); });
+  DeviceFamily(w, d, "ctxpool_device_leaked_allocations_total", "counter",
+               "Allocations still live when their session closed.",
+               [](const S& s) { return Number(s.ctx.leaked_allocations); });
+  DeviceFamily(w, d, "ctxpool_device_sessions_opened_total", "counter",
+               "Model sessions opened on the device.",
+               [](const S& s) { return Number(s.ctx.sessions_opened); });
+
+  using M = SessionStats;
+  SessionFamily(w, d, "ctxpool_model_live_bytes", "gauge",
+                "Bytes of live allocations charged to the model.",
+                [](const M& m) { return Number(m.live_bytes); });
+  SessionFamily(w, d, "ctxpool_model_live_allocations", "gauge",
+                "Live allocations of the model.",
+                [](const M& m) { return Number(m.live_allocations); });
+  SessionFamily(w, d, "ctxpool_model_mapped_bytes", "gauge",
+                "Bytes the allocator holds on the model's streams.",
+                [](const M& m) { return Number(m.mapped_bytes); });
+  SessionFamily(w, d, "ctxpool_model_cached_bytes", "gauge",
+                "Cached (mapped, not allocated) bytes on the model's streams.",
+                [](const M& m) { return Number(m.cached_bytes); });
+  SessionFamily(w, d, "ctxpool_model_peak_bytes", "gauge",
+                "Peak bytes charged to the model.",
+                [](const M& m) { return Number(m.peak_bytes); });
+  SessionFamily(w, d, "ctxpool_model_max_bytes", "gauge",
+                "The model's hard budget (0: none).",
+                [](const M& m) { return Number(m.max_bytes); });
+  SessionFamily(w, d, "ctxpool_model_fragmentation_ratio", "gauge",
+                "External fragmentation of the free memory on the model's "
+                "streams.",
+                [](const M& m) { return Number(m.fragmentation); });
+  SessionFamily(w, d, "ctxpool_model_ooms_total", "counter",
+                "The model's allocations that failed for lack of device "
+                "memory.",
+                [](const M& m) { return Number(m.num_ooms); });
+  SessionFamily(w, d, "ctxpool_model_budget_rejections_total", "counter",
+                "The model's allocations refused by its max budget.",
+                [](const M& m) { return Number(m.num_budget_rejections); });
+  TotalsFamily(w, d, "ctxpool_model_leaked_bytes_total",
+               "Bytes the model left live at session close (reclaimed).",
+               [](const ModelLeakTotals& t) { return Number(t.leaked_bytes); });
+  TotalsFamily(
+      w, d, "ctxpool_model_leaked_allocations_total",
+      "Allocations the model left live at session close.",
+      [](const ModelLeakTotals& t) { return Number(t.leaked_allocations); });
+  return w.Take();
+}
+
+}  // namespace
+
+std::string EscapePrometheusLabelValue(absl::string_view value) {
+  std::string out;
+  out.reserve(value.size());
+  for (char c : value) {
+    switch (c) {
+      case '\\':
+        out += "\\\\";
+        break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
+}
+
+std::string RenderPrometheus(absl::Span<const DeviceContext* const> devices) {
+  std::vector<DeviceSample> samples;
+  for (const DeviceContext* dc : devices) {
+    if (dc->InForkedChild()) continue;
+    samples.push_back(Sample(*dc));
+  }
+  return Render(samples);
+}
+
+std::string RenderPrometheus(const DeviceContext& device) {
+  const DeviceContext* one[] = {&device};
+  return RenderPrometheus(absl::MakeConstSpan(one));
+}
+
+std::string RenderPrometheus(const Runtime& runtime) {
+  std::string out = absl::StrCat(
+      "# HELP ctxpool_runtime_info The driver ctxpool uses (value 1).\n"
+      "# TYPE ctxpool_runtime_info gauge\n"
+      "ctxpool_runtime_info{driver=\"",
+      EscapePrometheusLabelValue(runtime.driver_kind()), "\"} 1\n");
+  if (runtime.InForkedChild()) return out;
+  std::vector<DeviceContext*> devices = runtime.devices();
+  std::vector<const DeviceContext*> cdevices(devices.begin(), devices.end());
+  absl::StrAppend(&out, RenderPrometheus(absl::MakeConstSpan(cdevices)));
+  return out;
+}
+
+}  // namespace ctxpool
