@@ -321,5 +321,27 @@ TEST(DeviceContext, DestructionReturnsEverything) {
   EXPECT_GT(TotalCalls(*sim), 0u);
 }
 
+TEST(DeviceContext, HostAndSlabAllocatorsShareThePrimaryContext) {
+  auto sim = MakeSim();
+  {
+    auto dc = DeviceContext::Create(*sim, 0, Plain());
+    ASSERT_TRUE(dc.ok()) << dc.status();
+    auto s = (*dc)->OpenSession("m", {.streams = 1});
+    ASSERT_TRUE(s.ok());
+    auto host = (*dc)->host_allocator().Allocate(1 << 20, (*s)->stream(0));
+    ASSERT_TRUE(host.ok()) << host.status();
+    auto obj = (*dc)->slab_allocator().Allocate(256, (*s)->stream(0));
+    ASSERT_TRUE(obj.ok()) << obj.status();
+    EXPECT_EQ(sim->primary_ctx_refcount(0), 1);
+    EXPECT_EQ(sim->call_count(SimCall::kPrimaryCtxRetain), 1u);
+    ASSERT_TRUE((*dc)->slab_allocator().Deallocate(*obj).ok());
+    ASSERT_TRUE((*dc)->host_allocator().Deallocate(*host).ok());
+    EXPECT_TRUE((*s)->Close().ok());
+  }
+  EXPECT_EQ(sim->primary_ctx_refcount(0), 0);
+  EXPECT_EQ(sim->used_bytes(0), 0u);
+  EXPECT_EQ(sim->misuse_count(), 0u);
+}
+
 }  // namespace
 }  // namespace ctxpool

@@ -135,6 +135,15 @@ absl::StatusOr<std::unique_ptr<DeviceContext>> DeviceContext::Create(
       CachingDeviceAllocator::Create(driver, device, alloc_options);
   if (!allocator.ok()) return allocator.status();  // ~DeviceContext releases
   dc->allocator_ = std::move(allocator).value();
+  HostAllocatorOptions host_options = options.host;
+  host_options.device = device;
+  host_options.context = ctx;
+  CTXPOOL_ASSIGN_OR_RETURN(dc->host_,
+                           CachingHostAllocator::Create(driver, host_options));
+  SlabAllocatorOptions slab_options = options.slab;
+  slab_options.context = ctx;
+  CTXPOOL_ASSIGN_OR_RETURN(
+      dc->slab_, SlabAllocator::Create(*dc->allocator_, slab_options));
 
   if (reserve > 0) {
     for (StreamPriority p : {StreamPriority::kLow, StreamPriority::kHigh}) {
@@ -162,6 +171,8 @@ DeviceContext::DeviceContext(Driver& driver, int device, ContextHandle context,
 DeviceContext::~DeviceContext() {
   if (fork_guard_.InForkedChild()) {
     // The driver state belongs to the parent: touch nothing, leak it all.
+    (void)slab_.release();
+    (void)host_.release();
     (void)allocator_.release();
     return;
   }
@@ -184,10 +195,14 @@ DeviceContext::~DeviceContext() {
   {
     ScopedContext guard(driver_, context_);
     if (guard.status().ok()) {
+      slab_.reset();  // its slabs go back to the device allocator
+      host_.reset();
       allocator_.reset();  // returns its memory to the driver
       for (EventHandle e : events) driver_.EventDestroy(e).IgnoreError();
       for (StreamHandle s : streams) driver_.StreamDestroy(s).IgnoreError();
     } else {
+      (void)slab_.release();
+      (void)host_.release();
       (void)allocator_.release();
     }
   }

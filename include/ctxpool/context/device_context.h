@@ -5,8 +5,9 @@
 // cuBLAS and PyTorch also use, so ctxpool adds no context of its own) and
 // releases it at destruction. It owns what every model on the device shares:
 //
-//   * the caching device allocator, created with the primary context so it
-//     does not retain it a second time;
+//   * the caching allocators — device, pinned host and slab (small device
+//     objects carved from the device allocator) — created with the primary
+//     context so none of them retains it a second time;
 //   * a stream pool: non-blocking streams of high and low priority, created
 //     once and leased to model sessions, returned (not destroyed) at Close;
 //   * an event pool for the sessions;
@@ -48,6 +49,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "ctxpool/alloc/device_allocator.h"
+#include "ctxpool/alloc/host_allocator.h"
+#include "ctxpool/alloc/slab_allocator.h"
 #include "ctxpool/context/fork_guard.h"
 #include "ctxpool/context/model_session.h"
 #include "ctxpool/driver/driver.h"
@@ -90,6 +93,10 @@ struct DeviceContextOptions {
   // Options of the device allocator. `allocator.context` is ignored: the
   // allocator always uses the context's primary context.
   DeviceAllocatorOptions allocator;
+  // Options of the pinned host and slab allocators; their `context` (and
+  // the host allocator's `device`) are set by the DeviceContext.
+  HostAllocatorOptions host;
+  SlabAllocatorOptions slab;
   // Take the allocator's backing mode (CTXPOOL_BACKING) and max_split_size
   // (CTXPOOL_MAX_SPLIT_BYTES) from the option table, overriding
   // `allocator`.
@@ -146,6 +153,10 @@ class DeviceContext {
   // The shared device allocator. Memory taken from it directly is charged
   // to no model; prefer a session's allocator.
   CachingDeviceAllocator& device_allocator() const { return *allocator_; }
+  // The shared pinned host allocator (staging buffers for this device).
+  CachingHostAllocator& host_allocator() const { return *host_; }
+  // The shared slab allocator for small device objects (<= 64 KiB).
+  SlabAllocator& slab_allocator() const { return *slab_; }
 
   // Opens a session for model `name`: leases its streams from the pool
   // (creating streams only when the pool has none of that priority).
@@ -212,7 +223,10 @@ class DeviceContext {
   const ContextHandle context_;
   ContextReport report_;  // set in Create, then read-only
   const ForkGuard fork_guard_;
+  // Destroyed in reverse: the slabs go back to the device allocator first.
   std::unique_ptr<CachingDeviceAllocator> allocator_;
+  std::unique_ptr<CachingHostAllocator> host_;
+  std::unique_ptr<SlabAllocator> slab_;
   int high_priority_ = 0;
   int low_priority_ = 0;
 
