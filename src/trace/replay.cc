@@ -562,6 +562,21 @@ std::string ReplayResultToText(const ReplayResult& r) {
                         r.upstream_allocations, r.upstream_frees);
   absl::StrAppendFormat(&out, "fragmentation:    max external %.3f\n",
                         r.max_external_fragmentation);
+  if (!r.samples.empty()) {
+    // Ten rows spread over the replay (all samples: --json --samples).
+    absl::StrAppendFormat(&out, "  %-10s%10s %11s %11s %13s %9s\n", "over time",
+                          "event", "live", "reserved", "largest free",
+                          "external");
+    const std::size_t rows = std::min<std::size_t>(10, r.samples.size());
+    for (std::size_t k = 0; k < rows; ++k) {
+      const FragmentationSample& s =
+          r.samples[rows == 1 ? 0 : k * (r.samples.size() - 1) / (rows - 1)];
+      absl::StrAppendFormat(&out, "  %20d %11s %11s %13s %9.3f\n",
+                            s.event_index, FormatBytes(s.live_bytes),
+                            FormatBytes(s.reserved_bytes),
+                            FormatBytes(s.largest_free_bytes), s.external);
+    }
+  }
   if (r.first_oom) {
     absl::StrAppendFormat(
         &out,
