@@ -1,0 +1,760 @@
+// libctxpool_torch.so: the C ABI of ctxpool_torch.h over ctxpool's
+// DeviceContext / ModelSession / CachingDeviceAllocator.
+//
+// Layout: `Globals` (a mutex, the last error, the state pointer) is replaced
+// wholesale in a forked child by the atfork handler, so no lock a parent
+// thread held at fork() is ever taken in the child. `PluginState` owns the
+// driver, the lazily opened DeviceContexts, one ModelSession per (device,
+// model) and the map from live pointers to their session, which is what
+// routes a free and checks its size.
+//
+// Lock order: Globals::mu -> PluginState::mu_ -> ModelSession's lock ->
+// the device allocator's lock. Session and allocator calls are made without
+// PluginState::mu_ held, except on the cold paths that open devices and
+// sessions.
+
+#include "ctxpool_torch.h"
+
+#include <pthread.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/optimization.h"
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "ctxpool/alloc/device_allocator.h"
+#include "ctxpool/context/device_context.h"
+#include "ctxpool/context/model_session.h"
+#include "ctxpool/core/stats.h"
+#include "ctxpool/driver/cuda_driver.h"
+#include "ctxpool/driver/driver.h"
+#include "ctxpool/driver/sim_driver.h"
+#include "ctxpool/options.h"
+#include "ctxpool/status.h"
+#include "ctxpool/telemetry/json.h"
+#include "ctxpool/trace/recorder.h"
+#include "ctxpool/trace/trace_io.h"
+
+namespace ctxpool {
+namespace torch_plugin {
+namespace {
+
+constexpr absl::string_view kDefaultModel = "default";
+constexpr std::size_t kMaxModelName = 255;
+
+// The calling thread's current model. Empty means kDefaultModel.
+thread_local std::string tls_model;
+// Buffers behind the const char* results (see ctxpool_torch.h).
+thread_local std::string tls_result;
+thread_local std::string tls_model_result;
+
+// Loads the driver the plugin uses; `note` says which and why.
+absl::StatusOr<std::unique_ptr<Driver>> LoadDriver(std::string& note) {
+  std::string spec = "cuda";
+  if (IsOptionOverridden(OptionId::kDriver)) {
+    spec = absl::AsciiStrToLower(
+        absl::StripAsciiWhitespace(GetOption(OptionId::kDriver)));
+  }
+  if (absl::StartsWith(spec, "sim")) {
+    CTXPOOL_ASSIGN_OR_RETURN(std::unique_ptr<SimDriver> sim,
+                             SimDriver::CreateFromSpec(spec));
+    note = absl::StrCat("driver: sim (", sim->Describe(),
+                        "); CTXPOOL_DRIVER=", spec,
+                        ": simulated addresses, not for real tensors");
+    return std::unique_ptr<Driver>(std::move(sim));
+  }
+  if (spec != "cuda" && spec != "auto" && !spec.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ctxpool_torch: CTXPOOL_DRIVER='", spec,
+        "' is not 'cuda', 'auto' (same as 'cuda' here) or a SimDriver spec "
+        "('sim', 'sim:h100-80gb', 'sim:2xa10-24gb')"));
+  }
+  absl::StatusOr<std::unique_ptr<Driver>> cuda = CudaDriver::Load();
+  if (!cuda.ok()) {
+    return absl::Status(
+        cuda.status().code(),
+        absl::StrCat("ctxpool_torch: cannot load the CUDA driver: ",
+                     cuda.status().message()));
+  }
+  note = absl::StrCat("driver: cuda (", (*cuda)->Describe(), ")");
+  return std::move(cuda).value();
+}
+
+// Where a live pointer came from.
+struct LiveBlock {
+  ModelSession* session = nullptr;
+  std::size_t size = 0;  // as requested
+  int device = 0;
+  std::uint32_t model_id = 0;
+};
+
+struct SessionKey {
+  int device;
+  std::string model;
+  template <typename H>
+  friend H AbslHashValue(H h, const SessionKey& k) {
+    return H::combine(std::move(h), k.device, k.model);
+  }
+  friend bool operator==(const SessionKey& a, const SessionKey& b) {
+    return a.device == b.device && a.model == b.model;
+  }
+};
+
+class PluginState {
+ public:
+  static absl::StatusOr<std::unique_ptr<PluginState>> Create() {
+    std::string note;
+    CTXPOOL_ASSIGN_OR_RETURN(std::unique_ptr<Driver> driver, LoadDriver(note));
+    CTXPOOL_ASSIGN_OR_RETURN(int count, driver->DeviceCount());
+    if (count <= 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "ctxpool_torch: the ", driver->Kind(), " driver reports no device"));
+    }
+    std::unique_ptr<PluginState> s(
+        new PluginState(std::move(driver), std::move(note), count));
+    CTXPOOL_ASSIGN_OR_RETURN(bool trace, GetOptionBool(OptionId::kTrace));
+    if (trace) {
+      CTXPOOL_ASSIGN_OR_RETURN(std::int64_t capacity,
+                               GetOptionInt(OptionId::kTraceCapacity));
+      s->recorder_.Enable(
+          static_cast<std::size_t>(capacity > 0 ? capacity : 1 << 16));
+    }
+    return s;
+  }
+
+  // Sessions first, then the contexts, then the driver. In a forked child
+  // the whole state is leaked instead (see OnForkChild), never destroyed.
+  ~PluginState() {
+    absl::MutexLock lock(&mu_);
+    live_.clear();
+    sessions_.clear();
+    for (auto& d : devices_) d.reset();
+  }
+
+  absl::StatusOr<void*> Malloc(std::size_t size, int device,
+                               StreamHandle stream, absl::string_view model)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    ModelSession* session = nullptr;
+    std::uint32_t model_id = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      CTXPOOL_ASSIGN_OR_RETURN(session, SessionLocked(device, model));
+      model_id = ModelIdLocked(model);
+    }
+    absl::StatusOr<DevicePtr> p = session->Allocate(size, stream);
+    if (!p.ok()) {
+      if (recorder_.enabled()) {
+        recorder_.Record(TraceOp::kOom, 0, size, stream.value(), model_id);
+      }
+      return p.status();
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      live_[p->address()] = LiveBlock{session, size, device, model_id};
+    }
+    if (recorder_.enabled()) {
+      recorder_.Record(TraceOp::kAlloc, p->address(), size, stream.value(),
+                       model_id);
+    }
+    return p->get();
+  }
+
+  absl::Status Free(void* ptr, std::size_t size, int device,
+                    StreamHandle stream) ABSL_LOCKS_EXCLUDED(mu_) {
+    const DevicePtr p = DevicePtr::From(ptr);
+    LiveBlock block;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = live_.find(p.address());
+      if (it == live_.end()) {
+        ++invalid_frees_;
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "ctxpool_free(%p, %u, device %d): not a live allocation of "
+            "ctxpool (a foreign pointer or a double free); nothing freed",
+            ptr, size, device));
+      }
+      if (it->second.size != size || it->second.device != device) {
+        ++invalid_frees_;
+        ++mismatched_frees_;
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "ctxpool_free(%p, %u, device %d): the allocation was %u bytes on "
+            "device %d; refused, the block stays allocated",
+            ptr, size, device, it->second.size, it->second.device));
+      }
+      block = it->second;
+      live_.erase(it);
+    }
+    if (recorder_.enabled()) {
+      recorder_.Record(TraceOp::kFree, p.address(), size, stream.value(),
+                       block.model_id);
+    }
+    return block.session->Deallocate(p);
+  }
+
+  absl::Status RecordStream(void* ptr, StreamHandle stream)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    ModelSession* session = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = live_.find(DevicePtr::From(ptr).address());
+      if (it == live_.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("ctxpool_record_stream(%p): not a live allocation "
+                            "of ctxpool",
+                            ptr));
+      }
+      session = it->second.session;
+    }
+    return session->RecordStream(DevicePtr::From(ptr), stream);
+  }
+
+  absl::StatusOr<std::int64_t> EmptyCache() ABSL_LOCKS_EXCLUDED(mu_) {
+    std::int64_t freed = 0;
+    for (DeviceContext* dc : OpenDevices()) {
+      CTXPOOL_ASSIGN_OR_RETURN(TrimResult r, dc->device_allocator().Trim(0));
+      freed += static_cast<std::int64_t>(r.freed_bytes);
+    }
+    return freed;
+  }
+
+  absl::Status SetBudget(absl::string_view model, std::size_t max_bytes)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, session] : sessions_) {
+      if (key.model == model) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("ctxpool_set_model_budget: model '", model,
+                         "' already has a session on device ", key.device,
+                         "; set its budget before its first allocation"));
+      }
+    }
+    budgets_[std::string(model)] = max_bytes;
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<StreamHandle> ModelStream(int device, absl::string_view model,
+                                           int i) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    CTXPOOL_ASSIGN_OR_RETURN(ModelSession * session,
+                             SessionLocked(device, model));
+    if (i < 0 || static_cast<std::size_t>(i) >= session->streams().size()) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "ctxpool_model_stream: model '", model, "' has ",
+          session->streams().size(), " stream(s) on device ", device,
+          " (CTXPOOL_SESSION_STREAMS); asked for index ", i));
+    }
+    return session->stream(i);
+  }
+
+  absl::StatusOr<std::string> MemoryStats(int device) ABSL_LOCKS_EXCLUDED(mu_);
+
+  std::string SnapshotJson() ABSL_LOCKS_EXCLUDED(mu_) {
+    std::string out = "{\"devices\":[";
+    bool first = true;
+    for (DeviceContext* dc : OpenDevices()) {
+      // RenderJsonSnapshot(device) is {"devices":[{...}]}: keep the object.
+      std::string one = RenderJsonSnapshot(*dc);
+      constexpr absl::string_view kPrefix = "{\"devices\":[";
+      if (!absl::StartsWith(one, kPrefix) || !absl::EndsWith(one, "]}")) {
+        continue;
+      }
+      absl::string_view body(one);
+      body.remove_prefix(kPrefix.size());
+      body.remove_suffix(2);
+      if (body.empty()) continue;
+      if (!first) out += ",";
+      first = false;
+      absl::StrAppend(&out, body);
+    }
+    absl::StrAppend(&out, "]}");
+    return out;
+  }
+
+  absl::Status WriteTrace(const std::string& path) {
+    if (!recorder_.enabled() && recorder_.recorded() == 0) {
+      return absl::FailedPreconditionError(
+          "ctxpool_write_trace: tracing is off; set CTXPOOL_TRACE=1 before "
+          "the first allocation");
+    }
+    return WriteFile(path, WriteTraceCsv(recorder_.Snapshot()));
+  }
+
+  std::string Info() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    std::string opened;
+    for (std::size_t d = 0; d < devices_.size(); ++d) {
+      if (devices_[d] == nullptr) continue;
+      absl::StrAppend(&opened, opened.empty() ? "" : ",", d);
+    }
+    return absl::StrCat(
+        "{\"driver\":", JsonString(driver_->Kind()),
+        ",\"note\":", JsonString(note_), ",\"pid\":", pid_,
+        ",\"device_count\":", devices_.size(), ",\"opened_devices\":[", opened,
+        "],\"sessions\":", sessions_.size(),
+        ",\"live_allocations\":", live_.size(),
+        ",\"trace\":", recorder_.enabled() ? "true" : "false", "}");
+  }
+
+  // Closes every session. Refused with live allocations unless `force`.
+  absl::Status PrepareShutdown(bool force) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (!live_.empty() && !force) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("ctxpool_shutdown: ", live_.size(),
+                       " allocation(s) still live; free them or pass force=1"));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  PluginState(std::unique_ptr<Driver> driver, std::string note, int count)
+      : driver_(std::move(driver)),
+        note_(std::move(note)),
+        pid_(getpid()),
+        devices_(static_cast<std::size_t>(count)) {}
+
+  // The session of (device, model), opening the device and the session on
+  // first use.
+  absl::StatusOr<ModelSession*> SessionLocked(int device,
+                                              absl::string_view model)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (device < 0 || static_cast<std::size_t>(device) >= devices_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ctxpool_torch: device ", device, " does not exist (",
+                       devices_.size(), " device(s), ", note_, ")"));
+    }
+    SessionKey key{device, std::string(model)};
+    auto it = sessions_.find(key);
+    if (it != sessions_.end()) return it->second.get();
+    std::unique_ptr<DeviceContext>& dc = devices_[device];
+    if (dc == nullptr) {
+      CTXPOOL_ASSIGN_OR_RETURN(dc, DeviceContext::Create(*driver_, device));
+    }
+    SessionOptions options;
+    auto budget = budgets_.find(key.model);
+    if (budget != budgets_.end()) options.max_bytes = budget->second;
+    CTXPOOL_ASSIGN_OR_RETURN(std::unique_ptr<ModelSession> session,
+                             dc->OpenSession(key.model, options));
+    ModelSession* raw = session.get();
+    sessions_.emplace(std::move(key), std::move(session));
+    return raw;
+  }
+
+  std::uint32_t ModelIdLocked(absl::string_view model)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto [it, inserted] = model_ids_.try_emplace(
+        std::string(model), static_cast<std::uint32_t>(model_ids_.size() + 1));
+    return it->second;
+  }
+
+  // The opened DeviceContexts. They live as long as the state.
+  std::vector<DeviceContext*> OpenDevices() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    std::vector<DeviceContext*> out;
+    for (auto& d : devices_) {
+      if (d != nullptr) out.push_back(d.get());
+    }
+    return out;
+  }
+
+  const std::unique_ptr<Driver> driver_;
+  const std::string note_;
+  const pid_t pid_;
+  TraceRecorder recorder_;
+
+  absl::Mutex mu_;
+  // By ordinal; null until the device's first allocation.
+  std::vector<std::unique_ptr<DeviceContext>> devices_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<SessionKey, std::unique_ptr<ModelSession>> sessions_
+      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::size_t> budgets_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::uint32_t> model_ids_
+      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::uint64_t, LiveBlock> live_ ABSL_GUARDED_BY(mu_);
+  std::int64_t invalid_frees_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t mismatched_frees_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+void AppendStatArray(std::string& out, absl::string_view name,
+                     const StatArray& a) {
+  static constexpr absl::string_view kPools[] = {"all", "small_pool",
+                                                 "large_pool"};
+  for (int i = 0; i < 3; ++i) {
+    const Stat& s = a[i];
+    absl::StrAppend(&out, ",\"", name, ".", kPools[i], ".current\":", s.current,
+                    ",\"", name, ".", kPools[i], ".peak\":", s.peak, ",\"",
+                    name, ".", kPools[i], ".allocated\":", s.allocated, ",\"",
+                    name, ".", kPools[i], ".freed\":", s.freed);
+  }
+}
+
+absl::StatusOr<std::string> PluginState::MemoryStats(int device) {
+  DeviceAllocatorStats stats;
+  std::size_t max_split = 0;
+  std::string models;
+  std::int64_t invalid_frees = 0;
+  std::int64_t mismatched_frees = 0;
+  std::size_t live = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (device < 0 || static_cast<std::size_t>(device) >= devices_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ctxpool_memory_stats: device ", device,
+                       " does not exist (", devices_.size(), " device(s))"));
+    }
+    invalid_frees = invalid_frees_;
+    mismatched_frees = mismatched_frees_;
+    for (const auto& [ptr, block] : live_) {
+      if (block.device == device) ++live;
+    }
+    if (devices_[device] != nullptr) {
+      const CachingDeviceAllocator& alloc =
+          devices_[device]->device_allocator();
+      stats = alloc.Stats();
+      max_split = alloc.options().max_split_size;
+    }
+    for (const auto& [key, session] : sessions_) {
+      if (key.device != device) continue;
+      const SessionStats s = session->Stats();
+      absl::StrAppend(
+          &models, models.empty() ? "" : ",", JsonString(key.model),
+          ":{\"live_bytes\":", s.live_bytes, ",\"peak_bytes\":", s.peak_bytes,
+          ",\"requested_bytes\":", s.requested_bytes,
+          ",\"live_allocations\":", s.live_allocations,
+          ",\"num_allocs\":", s.num_allocs, ",\"num_frees\":", s.num_frees,
+          ",\"num_ooms\":", s.num_ooms,
+          ",\"num_budget_rejections\":", s.num_budget_rejections,
+          ",\"mapped_bytes\":", s.mapped_bytes,
+          ",\"cached_bytes\":", s.cached_bytes, ",\"min_bytes\":", s.min_bytes,
+          ",\"high_bytes\":", s.high_bytes, ",\"max_bytes\":", s.max_bytes,
+          ",\"streams\":", s.streams, "}");
+    }
+  }
+  std::string out = absl::StrCat("{\"device\":", device);
+  const PoolStats& t = stats.total;
+  AppendStatArray(out, "allocation", t.allocation);
+  AppendStatArray(out, "segment", t.segment);
+  AppendStatArray(out, "active", t.active);
+  AppendStatArray(out, "inactive_split", t.inactive_split);
+  AppendStatArray(out, "allocated_bytes", t.allocated_bytes);
+  AppendStatArray(out, "reserved_bytes", t.reserved_bytes);
+  AppendStatArray(out, "active_bytes", t.active_bytes);
+  AppendStatArray(out, "inactive_split_bytes", t.inactive_split_bytes);
+  AppendStatArray(out, "requested_bytes", t.requested_bytes);
+  // max_split_size: PyTorch reports -1 for "no limit".
+  const std::int64_t max_split_json =
+      max_split == 0 || max_split > (std::size_t{1} << 62)
+          ? -1
+          : static_cast<std::int64_t>(max_split);
+  absl::StrAppend(
+      &out, ",\"num_alloc_retries\":", stats.num_alloc_retries,
+      ",\"num_ooms\":", stats.num_ooms,
+      ",\"num_device_alloc\":", stats.upstream_allocs,
+      ",\"num_device_free\":", stats.upstream_frees,
+      ",\"num_sync_all_streams\":", stats.num_host_syncs,
+      ",\"max_split_size\":", max_split_json,
+      ",\"num_invalid_frees\":", invalid_frees + stats.invalid_frees,
+      ",\"num_mismatched_frees\":", mismatched_frees,
+      ",\"num_cache_hits\":", stats.cache_hits,
+      ",\"num_trims\":", stats.num_trims,
+      ",\"num_stream_waits\":", stats.num_stream_waits,
+      ",\"num_live_pointers\":", live, ",\"models\":{", models, "}}");
+  return out;
+}
+
+// Process-wide globals; replaced (the old ones leaked) in a forked child.
+struct Globals {
+  absl::Mutex mu;
+  // Written under `mu`; read without it on the hot path.
+  std::atomic<PluginState*> state{nullptr};
+  std::string last_error ABSL_GUARDED_BY(mu);
+  // True in a child forked after the parent had created its state.
+  bool forked_with_state ABSL_GUARDED_BY(mu) = false;
+};
+
+std::atomic<Globals*> g_globals{nullptr};
+
+void OnForkChild() {
+  // Single-threaded here. Leak the parent's globals and state: their locks
+  // may be held by threads that do not exist in the child and their driver
+  // state belongs to the parent.
+  Globals* old = g_globals.load(std::memory_order_relaxed);
+  auto* fresh = new Globals;
+  if (old != nullptr && old->state.load(std::memory_order_relaxed) != nullptr) {
+    absl::MutexLock lock(&fresh->mu);  // new, so never contended
+    fresh->forked_with_state = true;
+  }
+  g_globals.store(fresh, std::memory_order_release);
+}
+
+Globals& GetGlobals() {
+  Globals* g = g_globals.load(std::memory_order_acquire);
+  if (ABSL_PREDICT_TRUE(g != nullptr)) return *g;
+  static const bool registered = [] {
+    auto* fresh = new Globals;
+    Globals* expected = nullptr;
+    if (!g_globals.compare_exchange_strong(expected, fresh)) delete fresh;
+    pthread_atfork(nullptr, nullptr, &OnForkChild);
+    return true;
+  }();
+  (void)registered;
+  return *g_globals.load(std::memory_order_acquire);
+}
+
+void SetError(const absl::Status& status) {
+  Globals& g = GetGlobals();
+  absl::MutexLock lock(&g.mu);
+  g.last_error = std::string(status.message());
+  if (g.last_error.empty()) g.last_error = status.ToString();
+}
+
+// The state, created on first use. Failures are returned (and not cached: the
+// next call tries again).
+absl::StatusOr<PluginState*> GetState() {
+  Globals& g = GetGlobals();
+  PluginState* s = g.state.load(std::memory_order_acquire);
+  if (ABSL_PREDICT_TRUE(s != nullptr)) return s;
+  absl::MutexLock lock(&g.mu);
+  s = g.state.load(std::memory_order_relaxed);
+  if (s != nullptr) return s;
+  absl::StatusOr<std::unique_ptr<PluginState>> created = PluginState::Create();
+  if (!created.ok()) {
+    if (g.forked_with_state) {
+      return absl::Status(
+          created.status().code(),
+          absl::StrCat(created.status().message(),
+                       " (this process was forked from one that had already "
+                       "used ctxpool: a CUDA context does not survive fork(); "
+                       "initialise CUDA and ctxpool only in the workers, "
+                       "e.g. in gunicorn's post_fork hook)"));
+    }
+    return created.status();
+  }
+  s = created->release();
+  g.state.store(s, std::memory_order_release);
+  return s;
+}
+
+absl::string_view CurrentModel() {
+  return tls_model.empty() ? kDefaultModel : absl::string_view(tls_model);
+}
+
+const char* Result(std::string text) {
+  tls_result = std::move(text);
+  return tls_result.c_str();
+}
+
+}  // namespace
+}  // namespace torch_plugin
+}  // namespace ctxpool
+
+using ctxpool::StreamHandle;
+using namespace ctxpool::torch_plugin;  // NOLINT: the C ABI below
+
+extern "C" {
+
+void* ctxpool_malloc(size_t size, int device, cudaStream_t stream) {
+  absl::StatusOr<PluginState*> s = GetState();
+  if (!s.ok()) {
+    SetError(s.status());
+    return nullptr;
+  }
+  absl::StatusOr<void*> p =
+      (*s)->Malloc(size, device, StreamHandle::From(stream), CurrentModel());
+  if (!p.ok()) {
+    SetError(p.status());
+    return nullptr;
+  }
+  return *p;
+}
+
+void ctxpool_free(void* ptr, size_t size, int device, cudaStream_t stream) {
+  if (ptr == nullptr) return;
+  absl::StatusOr<PluginState*> s = GetState();
+  if (!s.ok()) {
+    SetError(s.status());
+    return;
+  }
+  absl::Status st = (*s)->Free(ptr, size, device, StreamHandle::From(stream));
+  if (!st.ok()) SetError(st);
+}
+
+int64_t ctxpool_empty_cache(void) {
+  absl::StatusOr<PluginState*> s = GetState();
+  if (!s.ok()) {
+    SetError(s.status());
+    return -1;
+  }
+  absl::StatusOr<std::int64_t> freed = (*s)->EmptyCache();
+  if (!freed.ok()) {
+    SetError(freed.status());
+    return -1;
+  }
+  return *freed;
+}
+
+const char* ctxpool_memory_stats(int device) {
+  absl::StatusOr<PluginState*> s = GetState();
+  if (!s.ok()) {
+    SetError(s.status());
+    return nullptr;
+  }
+  absl::StatusOr<std::string> json = (*s)->MemoryStats(device);
+  if (!json.ok()) {
+    SetError(json.status());
+    return nullptr;
+  }
+  return Result(*std::move(json));
+}
+
+int ctxpool_record_stream(void* ptr, cudaStream_t stream) {
+  absl::StatusOr<PluginState*> s = GetState();
+  if (!s.ok()) {
+    SetError(s.status());
+    return -1;
+  }
+  absl::Status st = (*s)->RecordStream(ptr, StreamHandle::From(stream));
+  if (!st.ok()) {
+    SetError(st);
+    return -1;
+  }
+  return 0;
+}
+
+int ctxpool_set_model(const char* name) {
+  if (name == nullptr || name[0] == '\0' || kDefaultModel == name) {
+    tls_model.clear();
+    return 0;
+  }
+  const std::size_t n = std::strlen(name);
+  if (n > kMaxModelName) {
+    SetError(absl::InvalidArgumentError(
+        absl::StrCat("ctxpool_set_model: the name is ", n, " bytes; at most ",
+                     kMaxModelName)));
+    return -1;
+  }
+  tls_model.assign(name, n);
+  return 0;
+}
+
+const char* ctxpool_get_model(void) {
+  tls_model_result = std::string(CurrentModel());
+  return tls_model_result.c_str();
+}
+
+int ctxpool_set_model_budget(const char* name, size_t max_bytes) {
+  absl::StatusOr<PluginState*> s = GetState();
+  if (!s.ok()) {
+    SetError(s.status());
+    return -1;
+  }
+  absl::string_view model =
+      name == nullptr || name[0] == '\0' ? kDefaultModel : name;
+  absl::Status st = (*s)->SetBudget(model, max_bytes);
+  if (!st.ok()) {
+    SetError(st);
+    return -1;
+  }
+  return 0;
+}
+
+cudaStream_t ctxpool_model_stream(int device, int i) {
+  absl::StatusOr<PluginState*> s = GetState();
+  if (!s.ok()) {
+    SetError(s.status());
+    return nullptr;
+  }
+  absl::StatusOr<StreamHandle> h = (*s)->ModelStream(device, CurrentModel(), i);
+  if (!h.ok()) {
+    SetError(h.status());
+    return nullptr;
+  }
+  return h->as<cudaStream_t>();
+}
+
+int ctxpool_snapshot(const char* path) {
+  if (path == nullptr) {
+    SetError(absl::InvalidArgumentError("ctxpool_snapshot: null path"));
+    return -1;
+  }
+  absl::StatusOr<PluginState*> s = GetState();
+  if (!s.ok()) {
+    SetError(s.status());
+    return -1;
+  }
+  absl::Status st = ctxpool::WriteFile(path, (*s)->SnapshotJson());
+  if (!st.ok()) {
+    SetError(st);
+    return -1;
+  }
+  return 0;
+}
+
+int ctxpool_write_trace(const char* path) {
+  if (path == nullptr) {
+    SetError(absl::InvalidArgumentError("ctxpool_write_trace: null path"));
+    return -1;
+  }
+  absl::StatusOr<PluginState*> s = GetState();
+  if (!s.ok()) {
+    SetError(s.status());
+    return -1;
+  }
+  absl::Status st = (*s)->WriteTrace(path);
+  if (!st.ok()) {
+    SetError(st);
+    return -1;
+  }
+  return 0;
+}
+
+const char* ctxpool_last_error(void) {
+  Globals& g = GetGlobals();
+  std::string copy;
+  {
+    absl::MutexLock lock(&g.mu);
+    copy = g.last_error;
+  }
+  return Result(std::move(copy));
+}
+
+const char* ctxpool_info(void) {
+  absl::StatusOr<PluginState*> s = GetState();
+  if (!s.ok()) {
+    SetError(s.status());
+    return nullptr;
+  }
+  return Result((*s)->Info());
+}
+
+int ctxpool_shutdown(int force) {
+  Globals& g = GetGlobals();
+  absl::MutexLock lock(&g.mu);
+  PluginState* s = g.state.load(std::memory_order_relaxed);
+  if (s == nullptr) return 0;
+  absl::Status st = s->PrepareShutdown(force != 0);
+  if (!st.ok()) {
+    g.last_error = std::string(st.message());
+    return -1;
+  }
+  g.state.store(nullptr, std::memory_order_release);
+  delete s;
+  return 0;
+}
+
+}  // extern "C"
