@@ -24,13 +24,13 @@
 #define CTXPOOL_TOOLS_COMMANDS_H_
 
 // X(name, one-line help, run function), one line per command.
-#define CTXPOOL_TOOL_COMMANDS(X)                                      \
-  X("info",                                                           \
-    "show the build, the CUDA driver, the devices (or the simulated " \
-    "fallback)",                                                      \
-    RunInfo)                                                          \
+#define CTXPOOL_TOOL_COMMANDS(X)                                             \
+  X("info",                                                                  \
+    "show the build, the CUDA driver, the devices (or the simulated "        \
+    "fallback)",                                                             \
+    RunInfo)                                                                 \
   X("replay", "replay an allocation trace on a simulated device or the GPU", \
-    RunReplay)                                                        \
+    RunReplay)                                                               \
   X("report", "summarise an allocation trace as a table", RunReport)
 
 namespace ctxpool::tool {
