@@ -45,8 +45,13 @@
 //
 // Errors: no function crashes or throws on bad input. Functions returning
 // int return 0 on success and -1 on failure; a failed ctxpool_malloc returns
-// NULL (PyTorch then raises its OutOfMemoryError). The text of the last
-// failure in the process (any thread) is ctxpool_last_error().
+// NULL. The text of the last failure in the process (any thread) is
+// ctxpool_last_error(). Caution: the PyTorch releases we read do not check
+// the pluggable allocator's result for NULL (CUDAPluggableAllocator::allocate
+// wraps it in a DataPtr as is), so an exhausted budget or device shows up as
+// a CUDA illegal-address error in the first kernel that touches the tensor,
+// not as torch.cuda.OutOfMemoryError. Size budgets with headroom and watch
+// memory_stats()["num_ooms"] and the models' "num_budget_rejections".
 //
 // Strings returned by ctxpool_last_error, ctxpool_memory_stats and
 // ctxpool_info live in a buffer owned by the calling thread, valid until the
