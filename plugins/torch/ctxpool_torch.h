@@ -112,7 +112,7 @@ CTXPOOL_TORCH_API int64_t ctxpool_empty_cache(void);
 // Statistics of `device` as JSON, with the key names of
 // torch.cuda.memory_stats() ("allocated_bytes.all.current",
 // "reserved_bytes.large_pool.peak", "num_ooms", ...) plus ctxpool's own
-// counters ("num_invalid_frees", "fragmentation", ...) and a "models" object
+// counters ("num_invalid_frees", "num_cache_hits", ...) and a "models" object
 // with each model's usage and budget on the device. A device that has not
 // allocated yet reports zeros. NULL for a bad device or no driver. See the
 // file comment for the buffer's lifetime.

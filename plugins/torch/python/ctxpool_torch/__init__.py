@@ -200,8 +200,8 @@ def _default_device(device):
 def memory_stats(device=None):
     """The device's statistics as a dict with torch.cuda.memory_stats() keys.
 
-    Also: "num_invalid_frees", "fragmentation"-related counters and "models"
-    (per model: live_bytes, peak_bytes, max_bytes, ...).
+    Also ctxpool's counters ("num_invalid_frees", "num_cache_hits", ...) and
+    "models" (per model: live_bytes, peak_bytes, max_bytes, ...).
     """
     d = _default_device(device)
     raw = library().ctxpool_memory_stats(d)
