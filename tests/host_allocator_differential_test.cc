@@ -108,7 +108,9 @@ TEST(HostAllocatorDifferential, RandomOperationsMatchTheModel) {
       const std::size_t size = alloc->RoundedSize(bytes);
       // No overlap with any live buffer.
       auto next = live.lower_bound(a);
-      if (next != live.end()) ASSERT_GE(next->first, a + size);
+      if (next != live.end()) {
+        ASSERT_GE(next->first, a + size);
+      }
       if (next != live.begin()) {
         auto prev = std::prev(next);
         ASSERT_LE(prev->first + prev->second.size, a);

@@ -100,7 +100,9 @@ TEST(SlabAllocatorDifferential, RandomOperationsMatchTheModel) {
       const std::size_t size = SlabClassBytes(cls);
       ASSERT_EQ(a % std::min<std::size_t>(size, 512), 0u) << "misaligned";
       auto next = live.lower_bound(a);
-      if (next != live.end()) ASSERT_GE(next->first, a + size);
+      if (next != live.end()) {
+        ASSERT_GE(next->first, a + size);
+      }
       if (next != live.begin()) {
         auto prev = std::prev(next);
         ASSERT_LE(prev->first + SlabClassBytes(prev->second.cls), a);
