@@ -25,6 +25,8 @@
 
 // X(name, one-line help, run function), one line per command.
 #define CTXPOOL_TOOL_COMMANDS(X)                                             \
+  X("demo", "run a multi-model server today vs with ctxpool, side by side",  \
+    RunDemo)                                                                 \
   X("info",                                                                  \
     "show the build, the CUDA driver, the devices (or the simulated "        \
     "fallback)",                                                             \
