@@ -54,3 +54,17 @@ if(TARGET ctxpool_bench_hotpath)
       LABELS unit TIMEOUT 300)
   endif()
 endif()
+
+if(TARGET ctxpool_bench_fragmentation AND CTXPOOL_HAVE_CUB_PEER)
+  target_link_libraries(ctxpool_bench_fragmentation PRIVATE ctxpool_cub_peer)
+  target_compile_definitions(ctxpool_bench_fragmentation PRIVATE
+    CTXPOOL_HAVE_CUB_PEER=1)
+endif()
+if(TARGET ctxpool_bench_fragmentation AND CTXPOOL_BUILD_TESTS)
+  # Small generated workloads on every implementation; exits non-zero on a
+  # replay error or simulated-driver misuse.
+  add_test(NAME fragmentation_smoke
+    COMMAND ctxpool_bench_fragmentation --quick
+            "--benchmark_filter=BM_Fragmentation/.*/(churn|mixed)/")
+  set_tests_properties(fragmentation_smoke PROPERTIES LABELS unit TIMEOUT 300)
+endif()
