@@ -99,7 +99,9 @@ TEST(FreeIndex, MatchesStdSetUnderRandomOperations) {
       ASSERT_EQ(got->address, it->second);
     }
     ASSERT_EQ(index.size(), model.size());
-    if (op % 5000 == 0) ASSERT_EQ(index.Validate(), "");
+    if (op % 5000 == 0) {
+      ASSERT_EQ(index.Validate(), "");
+    }
   }
   // In-order iteration equals the model's order.
   auto it = model.begin();
