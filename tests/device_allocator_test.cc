@@ -643,8 +643,7 @@ TEST_F(DeviceAllocatorTest, RejectsBadOptions) {
             absl::StatusCode::kInvalidArgument);
   DeviceAllocatorOptions v;
   v.backing = BackingMode::kExpandable;
-  EXPECT_EQ(CachingDeviceAllocator::Create(*sim_, 0, v).status().code(),
-            absl::StatusCode::kUnimplemented);
+  EXPECT_TRUE(CachingDeviceAllocator::Create(*sim_, 0, v).ok());
   EXPECT_FALSE(CachingDeviceAllocator::Create(*sim_, 7).ok());
 }
 

@@ -32,6 +32,12 @@
 //         callers asked for).
 //   I7  reserved == allocated + pending_free + free  (bytes, in total).
 //   I8  blocks_.live() == number of blocks in all segments.
+//   Expandable mode (one segment per (stream, pool) over a virtual range):
+//   I7 is replaced by
+//   I9  a segment's reserved bytes == its mapped granules × granule, and
+//       every allocated or pending block lies on mapped granules;
+//   I10 no expandable segment is in whole_free_, and inactive_split counts
+//       nothing (the unmapped tail is not cached memory).
 //
 // Hot path: Allocate looks up the stream's free index (one LowerBound), and
 // TakeBlock unlinks the block (and links a split remainder), inserts into
@@ -90,6 +96,33 @@ struct StreamState {
   // Found destroyed (CUDA_ERROR_INVALID_HANDLE) and its work waited for:
   // nothing can be enqueued on it any more, so its memory is idle.
   bool destroyed = false;
+  TenantId tenant = kDefaultTenant;
+  // Expandable mode: the stream's range segment per pool (null until used).
+  Segment* range[2] = {nullptr, nullptr};
+};
+
+// Expandable mode: the virtual range behind a segment and its granules.
+struct VmmRange {
+  std::uint64_t base = 0;
+  std::size_t size = 0;
+  std::vector<PhysicalMemHandle> slots;  // null = not mapped
+  std::size_t mapped = 0;                // bytes
+};
+
+// A physical granule not mapped anywhere, kept for reuse.
+struct CachedGranule {
+  PhysicalMemHandle handle;
+  absl::Time since;
+};
+
+struct Tenant {
+  std::string name;
+  Budget budget;
+  std::size_t peak = 0;
+  std::size_t reclaimed_from = 0;
+  std::size_t reclaimed_by = 0;
+  std::int64_t ooms = 0;
+  bool bound_any = false;
 };
 
 // One event a pending-free block waits for.
@@ -121,13 +154,15 @@ BlockInfo ToInfo(const Block& b) {
 
 SizeClassConfig ToSizeConfig(const DeviceAllocatorOptions& o) {
   SizeClassConfig c;
+  const bool expandable = o.backing == BackingMode::kExpandable;
   c.round_bytes = o.round_bytes;
   c.small_size_limit = o.small_size_limit;
   c.small_segment_bytes = o.small_segment_bytes;
   c.large_segment_bytes = o.large_segment_bytes;
   c.large_round_bytes = o.large_round_bytes;
   c.large_own_segment_bytes = o.large_own_segment_bytes;
-  c.max_split_size = o.max_split_size;
+  c.max_split_size =
+      expandable ? std::numeric_limits<std::size_t>::max() : o.max_split_size;
   return c;
 }
 
@@ -168,7 +203,8 @@ std::string OomReport::ToString() const {
 class CachingDeviceAllocator::Impl {
  public:
   Impl(Driver& driver, int device, DeviceAllocatorOptions options,
-       ContextHandle ctx, bool owns_ctx, std::size_t device_total)
+       ContextHandle ctx, bool owns_ctx, std::size_t device_total,
+       std::size_t granule)
       : driver_(driver),
         device_(device),
         options_(std::move(options)),
@@ -176,8 +212,13 @@ class CachingDeviceAllocator::Impl {
         ctx_(ctx),
         owns_ctx_(owns_ctx),
         device_total_(device_total),
+        expandable_(options_.backing == BackingMode::kExpandable),
+        granule_(granule),
         backing_(std::make_unique<ClassicBacking>(driver)) {
     live_.reserve(kInitialLiveCapacity);
+    auto t = std::make_unique<Tenant>();
+    t->name = "default";
+    tenants_.push_back(std::move(t));
   }
 
   ~Impl() {
@@ -187,6 +228,7 @@ class CachingDeviceAllocator::Impl {
       ScopedContext ctx(driver_, ctx_);
       if (ctx.status().ok()) {
         for (EventHandle e : event_pool_) driver_.EventDestroy(e).IgnoreError();
+        ReleaseGranuleCache(0, nullptr).IgnoreError();
       }
       event_pool_.clear();
     }
@@ -196,6 +238,7 @@ class CachingDeviceAllocator::Impl {
   Driver& driver() const { return driver_; }
   int device() const { return device_; }
   const DeviceAllocatorOptions& options() const { return options_; }
+  TraceRecorder& recorder() { return recorder_; }
 
   // ---- Allocate / Deallocate ----------------------------------------------
 
@@ -216,28 +259,37 @@ class CachingDeviceAllocator::Impl {
       absl::MutexLock lock(&mu_);
       StreamState* ss = GetStream(stream.value());
       if (Block* b = FindFree(ss, rounded, small)) {  // the cached hot path
-        ++cache_hits_;
-        return TakeBlock(b, rounded, bytes);
+        if (!expandable_ || Backed(b, TakeSize(b, rounded, small))) {
+          ++cache_hits_;
+          return Traced(TakeBlock(b, rounded, bytes), bytes, ss);
+        }
       }
       bool oom = false;
       absl::StatusOr<DevicePtr> p =
           AllocateSlow(ss, rounded, bytes, small, &report, &oom);
-      if (!oom) return p;
+      if (!oom) return Traced(p, bytes, ss);
     }
     if (options_.on_oom && options_.on_oom(report)) {
       absl::MutexLock lock(&mu_);
       StreamState* ss = GetStream(stream.value());
       if (Block* b = FindFree(ss, rounded, small)) {
-        ++cache_hits_;
-        return TakeBlock(b, rounded, bytes);
+        if (!expandable_ || Backed(b, TakeSize(b, rounded, small))) {
+          ++cache_hits_;
+          return Traced(TakeBlock(b, rounded, bytes), bytes, ss);
+        }
       }
       bool oom = false;
       absl::StatusOr<DevicePtr> p =
           AllocateSlow(ss, rounded, bytes, small, &report, &oom);
-      if (!oom) return p;
+      if (!oom) return Traced(p, bytes, ss);
     }
     absl::MutexLock lock(&mu_);
     ++num_ooms_;
+    StreamState* ss = GetStream(stream.value());
+    ++tenants_[ss->tenant]->ooms;
+    if (recorder_.enabled()) {
+      recorder_.Record(TraceOp::kOom, 0, bytes, ss->stream, ss->tenant);
+    }
     return absl::ResourceExhaustedError(report.ToString());
   }
 
@@ -256,8 +308,19 @@ class CachingDeviceAllocator::Impl {
       return DeallocateWithUses(b);
     }
     live_.erase(it);
+    StreamState* ss = Owner(b->segment);
+    if (recorder_.enabled()) {
+      recorder_.Record(TraceOp::kFree, b->address, b->requested, ss->stream,
+                       ss->tenant);
+      recorder_.Record(TraceOp::kFreeCompleted, b->address, b->size, ss->stream,
+                       ss->tenant);
+    }
     RemoveAllocatedStats(b);
     FreeToIndex(b);
+    if (ABSL_PREDICT_FALSE(expandable_ &&
+                           tenants_[ss->tenant]->budget.high != kNoLimit)) {
+      ShedAboveHigh(ss->tenant);
+    }
     return absl::OkStatus();
   }
 
@@ -290,12 +353,161 @@ class CachingDeviceAllocator::Impl {
     TrimResult result;
     SyncPending(&result.event_waits);
     std::size_t busy_segments = 0;
-    absl::Status status =
-        ReleaseCached(nullptr, keep_bytes, &result, &busy_segments);
+    absl::Status status;
+    if (expandable_) {
+      std::vector<StreamState*> all;
+      for (auto& [stream, ss] : streams_) all.push_back(ss.get());
+      std::sort(all.begin(), all.end(),
+                [](const StreamState* a, const StreamState* b) {
+                  return a->stream < b->stream;
+                });
+      for (StreamState* ss : all) {
+        bool busy = false;
+        status.Update(UnmapFreeGranules(ss, kNoLimit, /*wait=*/true,
+                                        &result.event_waits, &busy, nullptr));
+        if (busy) busy_segments += FreeMappedBytes(ss);
+      }
+      status.Update(ReleaseGranuleCache(keep_bytes, &result.freed_bytes));
+      result.remaining_bytes = Reserved() + CacheBytes();
+    } else {
+      status = ReleaseCached(nullptr, keep_bytes, &result, &busy_segments);
+      result.remaining_bytes = Reserved();
+    }
     result.busy_bytes = busy_segments + PendingBytes();
-    result.remaining_bytes = Reserved();
+    if (recorder_.enabled()) {
+      recorder_.Record(TraceOp::kTrim, 0, result.freed_bytes, 0);
+    }
     if (!status.ok()) return status;
     return result;
+  }
+
+  absl::StatusOr<TrimResult> TrimIdle() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    TrimResult result;
+    if (!expandable_) {
+      result.remaining_bytes = Reserved();
+      return result;
+    }
+    ScopedContext ctx(driver_, ctx_);
+    CTXPOOL_RETURN_IF_ERROR(ctx.status());
+    PollPending();
+    for (std::size_t t = 0; t < tenants_.size(); ++t) {
+      if (tenants_[t]->budget.high != kNoLimit) {
+        ShedAboveHigh(static_cast<TenantId>(t));
+      }
+    }
+    absl::Status s = DecayCache(&result.freed_bytes);
+    result.remaining_bytes = Reserved() + CacheBytes();
+    if (!s.ok()) return s;
+    return result;
+  }
+
+  // ---- Tenants -------------------------------------------------------------
+
+  static absl::Status ValidateBudget(const Budget& b) {
+    if (b.min > b.max) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("budget min %d > max %d bytes", b.min, b.max));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<TenantId> RegisterTenant(absl::string_view name, Budget budget)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(ValidateBudget(budget));
+    absl::MutexLock lock(&mu_);
+    if (name.empty()) {
+      return absl::InvalidArgumentError("RegisterTenant: empty name");
+    }
+    for (const auto& t : tenants_) {
+      if (t->name == name) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("RegisterTenant: '", name, "' is registered"));
+      }
+    }
+    auto t = std::make_unique<Tenant>();
+    t->name = std::string(name);
+    t->budget = budget;
+    tenants_.push_back(std::move(t));
+    return static_cast<TenantId>(tenants_.size() - 1);
+  }
+
+  absl::Status BindStream(StreamHandle stream, TenantId tenant)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (tenant >= tenants_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("BindStream: unknown tenant %d", tenant));
+    }
+    if (!bound_.insert(stream.value()).second) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "BindStream: stream 0x%x is already bound", stream.value()));
+    }
+    GetStream(stream.value())->tenant = tenant;
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<TrimResult> SetBudget(TenantId tenant, Budget budget)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(ValidateBudget(budget));
+    absl::MutexLock lock(&mu_);
+    if (tenant >= tenants_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("SetBudget: unknown tenant %d", tenant));
+    }
+    tenants_[tenant]->budget = budget;
+    TrimResult result;
+    if (TenantMapped(tenant) > budget.max) {
+      ScopedContext ctx(driver_, ctx_);
+      CTXPOOL_RETURN_IF_ERROR(ctx.status());
+      const std::size_t before = TenantMapped(tenant);
+      if (expandable_) {
+        for (StreamState* ss : TenantStreams(tenant)) {
+          const std::size_t over =
+              TenantMapped(tenant) - std::min(TenantMapped(tenant), budget.max);
+          if (over == 0) break;
+          bool busy = false;
+          UnmapFreeGranules(ss, over, /*wait=*/true, &result.event_waits, &busy,
+                            nullptr)
+              .IgnoreError();
+        }
+      } else {
+        for (StreamState* ss : TenantStreams(tenant)) {
+          std::size_t busy = 0;
+          ReleaseCached(ss, 0, &result, &busy).IgnoreError();
+        }
+      }
+      result.freed_bytes = before - TenantMapped(tenant);
+    }
+    result.remaining_bytes = TenantMapped(tenant);
+    result.busy_bytes = result.remaining_bytes > budget.max
+                            ? result.remaining_bytes - budget.max
+                            : 0;
+    return result;
+  }
+
+  absl::StatusOr<TenantStats> GetTenantStats(TenantId tenant) const
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (tenant >= tenants_.size()) {
+      return absl::NotFoundError(absl::StrFormat("unknown tenant %d", tenant));
+    }
+    const Tenant& t = *tenants_[tenant];
+    TenantStats st;
+    st.name = t.name;
+    st.budget = t.budget;
+    for (const auto& [stream, ss] : streams_) {
+      if (ss->tenant != tenant) continue;
+      st.live_bytes += Current(ss->stats.allocated_bytes);
+      st.mapped_bytes += Current(ss->stats.reserved_bytes);
+      if (bound_.contains(stream)) ++st.num_streams;
+    }
+    st.cached_bytes = st.mapped_bytes - st.live_bytes;
+    st.peak_mapped_bytes = std::max(t.peak, st.mapped_bytes);
+    st.reclaimed_from_bytes = t.reclaimed_from;
+    st.reclaimed_by_bytes = t.reclaimed_by;
+    st.num_ooms = t.ooms;
+    return st;
   }
 
   absl::Status Reset(bool force) ABSL_LOCKS_EXCLUDED(mu_) {
@@ -355,6 +567,7 @@ class CachingDeviceAllocator::Impl {
                                    /*keep_on_error=*/false);
       if (!s.ok()) note(s);
     }
+    if (ctx.status().ok()) note(ReleaseGranuleCache(0, nullptr));
     return first_error;
   }
 
@@ -381,6 +594,9 @@ class CachingDeviceAllocator::Impl {
     s.invalid_frees = invalid_frees_;
     s.invalid_requests = invalid_requests_;
     s.destroyed_streams = destroyed_streams_;
+    s.granule_maps = granule_maps_;
+    s.granule_unmaps = granule_unmaps_;
+    s.granule_cache_bytes = CacheBytes();
     return s;
   }
 
@@ -397,6 +613,8 @@ class CachingDeviceAllocator::Impl {
     }
     in.reserved_bytes = Reserved();
     in.free_bytes = in.reserved_bytes - Current(total_.active_bytes);
+    // Expandable: free blocks include the unmapped rest of the ranges.
+    in.largest_free_bytes = std::min(in.largest_free_bytes, in.free_bytes);
     in.allocated_bytes = Current(total_.allocated_bytes);
     in.requested_bytes = Current(total_.requested_bytes);
     return ComputeFragmentation(in);
@@ -485,6 +703,7 @@ class CachingDeviceAllocator::Impl {
     Segment* seg = b->segment;
     StreamState* ss = Owner(seg);
     ss->free[PoolIndex(seg->small)].Insert(b, b->size, b->address);
+    if (expandable_) return;  // I10
     if (b->is_split()) {
       Bump(ss, &PoolStats::inactive_split, seg->small, 1);
       Bump(ss, &PoolStats::inactive_split_bytes, seg->small,
@@ -498,6 +717,7 @@ class CachingDeviceAllocator::Impl {
     Segment* seg = b->segment;
     StreamState* ss = Owner(seg);
     ss->free[PoolIndex(seg->small)].Erase(b);
+    if (expandable_) return;  // I10
     if (b->is_split()) {
       Bump(ss, &PoolStats::inactive_split, seg->small, -1);
       Bump(ss, &PoolStats::inactive_split_bytes, seg->small,
@@ -667,6 +887,14 @@ class CachingDeviceAllocator::Impl {
       events.clear();
     }
     live_.erase(b->address);
+    if (recorder_.enabled()) {
+      recorder_.Record(TraceOp::kFree, b->address, b->requested,
+                       b->segment->stream, Owner(b->segment)->tenant);
+      if (events.empty()) {
+        recorder_.Record(TraceOp::kFreeCompleted, b->address, b->size,
+                         b->segment->stream, Owner(b->segment)->tenant);
+      }
+    }
     RemoveAllocatedStats(b);
     if (events.empty()) {
       FreeToIndex(b);
@@ -698,7 +926,14 @@ class CachingDeviceAllocator::Impl {
       PutEvent(p.event);
       pending_[i] = pending_.back();
       pending_.pop_back();
-      if (--p.block->pending_events == 0) FreeToIndex(p.block);
+      if (--p.block->pending_events == 0) {
+        if (recorder_.enabled()) {
+          recorder_.Record(TraceOp::kFreeCompleted, p.block->address,
+                           p.block->size, p.block->segment->stream,
+                           Owner(p.block->segment)->tenant);
+        }
+        FreeToIndex(p.block);
+      }
     }
   }
   void PollPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -781,8 +1016,13 @@ class CachingDeviceAllocator::Impl {
     Bump(ss, &PoolStats::segment, small, 1);
     Bump(ss, &PoolStats::reserved_bytes, small,
          static_cast<std::int64_t>(seg->size));
+    if (recorder_.enabled()) {
+      recorder_.Record(TraceOp::kSegmentMap, seg->base, seg->size, ss->stream,
+                       ss->tenant);
+    }
     segments_.emplace(seg->base, std::move(seg));
     Index(b);
+    NotePeak(ss->tenant);
     return b;
   }
 
@@ -793,17 +1033,38 @@ class CachingDeviceAllocator::Impl {
   absl::Status DropSegment(Segment* seg, bool free_memory, bool keep_on_error)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     absl::Status s;
-    if (free_memory) {
+    StreamState* ss = Owner(seg);
+    const bool small = seg->small;
+    if (expandable_) {
+      // Unmap every granule (to the cache), then give the range back.
+      VmmRange* r = RangeOf(seg);
+      if (free_memory) {
+        for (std::size_t i = 0; i < r->slots.size(); ++i) {
+          if (!r->slots[i].is_null()) {
+            absl::Status u = UnmapGranule(seg, i);
+            if (!u.ok() && s.ok()) s = u;
+          }
+        }
+        if (s.ok()) s = driver_.MemAddressFree(DevicePtr(r->base), r->size);
+      }
+      // Whatever could not be unmapped is dropped from the books.
+      Bump(ss, &PoolStats::reserved_bytes, small,
+           -static_cast<std::int64_t>(r->mapped));
+      r->mapped = 0;
+      ss->range[PoolIndex(small)] = nullptr;
+    } else if (free_memory) {
       s = backing_->Free(
           BackedRange{DevicePtr(seg->base), seg->size, seg->backing_handle});
       if (s.ok()) {
         ++upstream_frees_;
+        if (recorder_.enabled()) {
+          recorder_.Record(TraceOp::kSegmentUnmap, seg->base, seg->size,
+                           seg->stream, ss->tenant);
+        }
       } else if (keep_on_error) {
         return s;
       }
     }
-    StreamState* ss = Owner(seg);
-    const bool small = seg->small;
     for (Block* b = seg->first; b != nullptr;) {
       Block* next = b->next;
       switch (b->state) {
@@ -824,8 +1085,12 @@ class CachingDeviceAllocator::Impl {
       b = next;
     }
     Bump(ss, &PoolStats::segment, small, -1);
-    Bump(ss, &PoolStats::reserved_bytes, small,
-         -static_cast<std::int64_t>(seg->size));
+    if (!expandable_) {
+      Bump(ss, &PoolStats::reserved_bytes, small,
+           -static_cast<std::int64_t>(seg->size));
+    } else {
+      vmm_ranges_.erase(seg->base);
+    }
     segments_.erase(seg->base);
     return s;
   }
@@ -836,7 +1101,8 @@ class CachingDeviceAllocator::Impl {
   // work; segments whose owner cannot be waited for are skipped and counted
   // in *busy_bytes. REQUIRES: context set.
   absl::Status ReleaseCached(StreamState* only, std::size_t keep_bytes,
-                             TrimResult* result, std::size_t* busy_bytes)
+                             TrimResult* result, std::size_t* busy_bytes,
+                             bool protect_min = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::vector<Segment*> candidates;
     for (const FreeIndex<Segment>& index : whole_free_) {
@@ -856,6 +1122,10 @@ class CachingDeviceAllocator::Impl {
     for (Segment* seg : candidates) {
       if (Reserved() - Current(total_.allocated_bytes) <= keep_bytes) break;
       StreamState* owner = Owner(seg);
+      if (protect_min) {  // never below another tenant's min
+        const std::size_t min = tenants_[owner->tenant]->budget.min;
+        if (min != 0 && TenantMapped(owner->tenant) < min + seg->size) continue;
+      }
       if (busy.contains(owner->stream)) {
         *busy_bytes += seg->size;
         continue;
@@ -880,6 +1150,459 @@ class CachingDeviceAllocator::Impl {
     return first_error;
   }
 
+  // ---- Tenants (helpers) ---------------------------------------------------
+
+  std::size_t TenantMapped(TenantId t) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::size_t n = 0;
+    for (const auto& [stream, ss] : streams_) {
+      if (ss->tenant == t) n += Current(ss->stats.reserved_bytes);
+    }
+    return n;
+  }
+  // The tenant's streams, by handle (deterministic order).
+  std::vector<StreamState*> TenantStreams(TenantId t) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<StreamState*> v;
+    for (const auto& [stream, ss] : streams_) {
+      if (ss->tenant == t) v.push_back(ss.get());
+    }
+    std::sort(v.begin(), v.end(),
+              [](const StreamState* a, const StreamState* b) {
+                return a->stream < b->stream;
+              });
+    return v;
+  }
+  void NotePeak(TenantId t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Tenant& tn = *tenants_[t];
+    tn.peak = std::max(tn.peak, TenantMapped(t));
+  }
+  absl::Status TenantOom(StreamState* ss, std::size_t requested,
+                         std::size_t growth)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Tenant& t = *tenants_[ss->tenant];
+    ++t.ooms;
+    ++num_ooms_;
+    if (recorder_.enabled()) {
+      recorder_.Record(TraceOp::kOom, 0, requested, ss->stream, ss->tenant);
+    }
+    std::size_t live = 0;
+    for (StreamState* x : TenantStreams(ss->tenant)) {
+      live += Current(x->stats.allocated_bytes);
+    }
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "out of memory for tenant '%s': requested %d bytes on stream 0x%x "
+        "needs %d more bytes of physical memory; the tenant holds %d bytes "
+        "(%d live) and its max is %d bytes",
+        t.name, requested, ss->stream, growth, TenantMapped(ss->tenant), live,
+        t.budget.max));
+  }
+
+  // ---- Expandable segments (granules) -------------------------------------
+
+  static VmmRange* RangeOf(const Segment* seg) {
+    return reinterpret_cast<VmmRange*>(
+        static_cast<std::uintptr_t>(seg->backing_handle));
+  }
+  absl::Time Now() const {
+    return options_.clock ? options_.clock() : absl::Now();
+  }
+  std::size_t CacheBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return granule_cache_.size() * granule_;
+  }
+  // The bytes of `b` that a request takes (all of it unless it splits).
+  std::size_t TakeSize(const Block* b, std::size_t rounded, bool small) const {
+    return classes_.ShouldSplit(b->size, rounded, small) ? rounded : b->size;
+  }
+  // Whether [b->address, +bytes) lies on mapped granules.
+  bool Backed(const Block* b, std::size_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return UnmappedBytes(b->segment, b->address, bytes) == 0;
+  }
+  std::size_t UnmappedBytes(const Segment* seg, std::uint64_t address,
+                            std::size_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const VmmRange* r = RangeOf(seg);
+    const std::size_t lo = (address - r->base) / granule_;
+    const std::size_t hi = (address + bytes - 1 - r->base) / granule_;
+    std::size_t n = 0;
+    for (std::size_t i = lo; i <= hi; ++i) {
+      if (r->slots[i].is_null()) n += granule_;
+    }
+    return n;
+  }
+
+  // The stream's range for a pool, reserved on first use.
+  absl::StatusOr<Segment*> EnsureRange(StreamState* ss, bool small)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Segment*& slot = ss->range[PoolIndex(small)];
+    if (slot != nullptr) return slot;
+    const std::size_t size = SizeClasses::RoundUp(device_total_, granule_);
+    CTXPOOL_ASSIGN_OR_RETURN(DevicePtr base,
+                             driver_.MemAddressReserve(size, granule_));
+    auto r = std::make_unique<VmmRange>();
+    r->base = base.address();
+    r->size = size;
+    r->slots.resize(size / granule_);
+    auto seg = std::make_unique<Segment>();
+    seg->base = r->base;
+    seg->size = size;
+    seg->stream = ss->stream;
+    seg->small = small;
+    seg->backing_handle =
+        static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(r.get()));
+    seg->owner = ss;
+    Block* b = blocks_.New();
+    b->address = seg->base;
+    b->size = seg->size;
+    b->segment = seg.get();
+    b->state = BlockState::kFree;
+    seg->first = b;
+    Bump(ss, &PoolStats::segment, small, 1);
+    slot = seg.get();
+    vmm_ranges_.emplace(r->base, std::move(r));
+    segments_.emplace(seg->base, std::move(seg));
+    Index(b);
+    return slot;
+  }
+
+  // Maps granule `i` of `seg`: a cached one first, else cuMemCreate.
+  absl::Status MapGranule(Segment* seg, std::size_t i)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    VmmRange* r = RangeOf(seg);
+    PhysicalMemHandle h;
+    bool created = false;
+    if (!granule_cache_.empty()) {
+      h = granule_cache_.back().handle;
+      granule_cache_.pop_back();
+    } else {
+      CTXPOOL_ASSIGN_OR_RETURN(h, driver_.MemCreate(granule_, device_));
+      ++upstream_allocs_;
+      created = true;
+    }
+    const DevicePtr at(r->base + i * granule_);
+    absl::Status s = driver_.MemMap(at, granule_, 0, h);
+    if (s.ok()) {
+      s = driver_.MemSetAccess(at, granule_, device_);
+      if (!s.ok()) driver_.MemUnmap(at, granule_).IgnoreError();
+    }
+    if (!s.ok()) {
+      if (created) {
+        granule_cache_.push_back({h, Now()});
+      } else {
+        granule_cache_.push_back({h, Now()});
+      }
+      return s;
+    }
+    r->slots[i] = h;
+    r->mapped += granule_;
+    ++granule_maps_;
+    StreamState* ss = Owner(seg);
+    Bump(ss, &PoolStats::reserved_bytes, seg->small,
+         static_cast<std::int64_t>(granule_));
+    if (recorder_.enabled()) {
+      recorder_.Record(TraceOp::kSegmentMap, at.address(), granule_, ss->stream,
+                       ss->tenant);
+    }
+    return absl::OkStatus();
+  }
+
+  // Unmaps granule `i` of `seg` into the cache. REQUIRES: no queued work
+  // uses it (its stream was found idle).
+  absl::Status UnmapGranule(Segment* seg, std::size_t i)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    VmmRange* r = RangeOf(seg);
+    const DevicePtr at(r->base + i * granule_);
+    CTXPOOL_RETURN_IF_ERROR(driver_.MemUnmap(at, granule_));
+    granule_cache_.push_back({r->slots[i], Now()});
+    r->slots[i] = PhysicalMemHandle();
+    r->mapped -= granule_;
+    ++granule_unmaps_;
+    StreamState* ss = Owner(seg);
+    Bump(ss, &PoolStats::reserved_bytes, seg->small,
+         -static_cast<std::int64_t>(granule_));
+    if (recorder_.enabled()) {
+      recorder_.Record(TraceOp::kSegmentUnmap, at.address(), granule_,
+                       ss->stream, ss->tenant);
+    }
+    return absl::OkStatus();
+  }
+
+  // Maps the granules under [address, +bytes) of `seg`.
+  absl::Status MapRange(Segment* seg, std::uint64_t address, std::size_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    VmmRange* r = RangeOf(seg);
+    const std::size_t lo = (address - r->base) / granule_;
+    const std::size_t hi = (address + bytes - 1 - r->base) / granule_;
+    for (std::size_t i = lo; i <= hi; ++i) {
+      if (r->slots[i].is_null()) CTXPOOL_RETURN_IF_ERROR(MapGranule(seg, i));
+    }
+    return absl::OkStatus();
+  }
+
+  // Calls fn(seg, i) for each mapped granule of `ss` wholly covered by a
+  // free block, outside [skip_lo, skip_hi).
+  template <typename Fn>
+  void ForFreeGranules(StreamState* ss, std::uint64_t skip_lo,
+                       std::uint64_t skip_hi, Fn fn)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (Segment* seg : ss->range) {
+      if (seg == nullptr) continue;
+      VmmRange* r = RangeOf(seg);
+      if (r->mapped == 0) continue;
+      for (Block* b = seg->first; b != nullptr; b = b->next) {
+        if (b->state != BlockState::kFree) continue;
+        const std::size_t lo = (b->address - r->base + granule_ - 1) / granule_;
+        const std::size_t hi = (b->end() - r->base) / granule_;
+        for (std::size_t i = lo; i < hi; ++i) {
+          const std::uint64_t at = r->base + i * granule_;
+          if (r->slots[i].is_null()) continue;
+          if (at < skip_hi && at + granule_ > skip_lo) continue;
+          if (!fn(seg, i)) return;
+        }
+      }
+    }
+  }
+  std::size_t FreeMappedBytes(StreamState* ss)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::size_t n = 0;
+    ForFreeGranules(ss, 0, 0, [&](Segment*, std::size_t) {
+      n += granule_;
+      return true;
+    });
+    return n;
+  }
+
+  // Whether the work queued on `ss` so far is done, without waiting.
+  bool StreamIdleNow(StreamState* ss) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (ss->destroyed) return true;
+    absl::StatusOr<EventHandle> e = GetEvent();
+    if (!e.ok()) return false;
+    absl::Status s = driver_.EventRecord(*e, StreamHandle(ss->stream));
+    if (!s.ok()) {
+      PutEvent(*e);
+      return IsInvalidHandle(s) && HandleDestroyed(ss).ok();
+    }
+    absl::StatusOr<bool> done = driver_.EventQuery(*e);
+    PutEvent(*e);
+    return done.ok() && *done;
+  }
+
+  // Unmaps up to `want` bytes of `ss`'s free granules (outside the skip
+  // range) into the cache once its queued work is done: with `wait`, waits
+  // for it (counted in *waits); else sets *busy and unmaps nothing.
+  absl::Status UnmapFreeGranules(StreamState* ss, std::size_t want, bool wait,
+                                 int* waits, bool* busy, std::size_t* unmapped,
+                                 std::uint64_t skip_lo = 0,
+                                 std::uint64_t skip_hi = 0)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<std::pair<Segment*, std::size_t>> todo;
+    std::size_t bytes = 0;
+    ForFreeGranules(ss, skip_lo, skip_hi, [&](Segment* seg, std::size_t i) {
+      if (bytes >= want) return false;
+      todo.emplace_back(seg, i);
+      bytes += granule_;
+      return true;
+    });
+    if (todo.empty()) return absl::OkStatus();
+    if (wait) {
+      int w = 0;
+      absl::Status s = EnsureIdle(ss, &w);
+      if (waits != nullptr) *waits += w;
+      if (!s.ok()) {
+        *busy = true;
+        return s;
+      }
+    } else if (!StreamIdleNow(ss)) {
+      *busy = true;
+      return absl::OkStatus();
+    }
+    absl::Status first;
+    for (const auto& [seg, i] : todo) {
+      absl::Status s = UnmapGranule(seg, i);
+      if (!s.ok()) {
+        first.Update(s);
+        continue;
+      }
+      if (unmapped != nullptr) *unmapped += granule_;
+    }
+    return first;
+  }
+
+  // Releases cached granules to the driver until at most `keep_bytes` stay.
+  absl::Status ReleaseGranuleCache(std::size_t keep_bytes, std::size_t* freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::Status first;
+    while (CacheBytes() > keep_bytes) {
+      // Oldest first: the front has been unused longest.
+      PhysicalMemHandle h = granule_cache_.front().handle;
+      absl::Status s = driver_.MemRelease(h);
+      if (!s.ok()) {
+        first.Update(s);
+        break;
+      }
+      granule_cache_.erase(granule_cache_.begin());
+      ++upstream_frees_;
+      if (freed != nullptr) *freed += granule_;
+    }
+    return first;
+  }
+
+  // Releases cached granules older than options_.idle_release_after.
+  absl::Status DecayCache(std::size_t* freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (granule_cache_.empty() ||
+        options_.idle_release_after == absl::InfiniteDuration()) {
+      return absl::OkStatus();
+    }
+    const absl::Time cutoff = Now() - options_.idle_release_after;
+    std::size_t old = 0;
+    for (const CachedGranule& g : granule_cache_) {
+      if (g.since <= cutoff) ++old;
+    }
+    if (old == 0) return absl::OkStatus();
+    // The cache is used LIFO, so stale entries sit at the front.
+    std::stable_partition(
+        granule_cache_.begin(), granule_cache_.end(),
+        [cutoff](const CachedGranule& g) { return g.since <= cutoff; });
+    return ReleaseGranuleCache(CacheBytes() - old * granule_, freed);
+  }
+
+  // A tenant above its high returns its streams' free granules to the
+  // cache, from streams whose queued work is done (no wait).
+  void ShedAboveHigh(TenantId t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const std::size_t high = tenants_[t]->budget.high;
+    std::size_t mapped = TenantMapped(t);
+    if (mapped <= high) return;
+    ScopedContext ctx(driver_, ctx_);
+    if (!ctx.status().ok()) return;
+    for (StreamState* ss : TenantStreams(t)) {
+      if (mapped <= high) break;
+      bool busy = false;
+      std::size_t got = 0;
+      UnmapFreeGranules(ss, kNoLimit, /*wait=*/false, nullptr, &busy, &got)
+          .IgnoreError();
+      mapped -= std::min(mapped, got);
+    }
+  }
+
+  // Device pressure: move free granules to the cache — the requesting
+  // tenant's first, then other tenants' above their min, most over budget
+  // first — without waiting for any stream. Returns the bytes moved.
+  std::size_t Reclaim(StreamState* ss, std::size_t want, std::uint64_t skip_lo,
+                      std::uint64_t skip_hi)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::size_t got = 0;
+    for (StreamState* x : TenantStreams(ss->tenant)) {
+      if (got >= want) return got;
+      bool busy = false;
+      UnmapFreeGranules(x, kNoLimit, /*wait=*/false, nullptr, &busy, &got,
+                        x == ss ? skip_lo : 0, x == ss ? skip_hi : 0)
+          .IgnoreError();
+    }
+    std::vector<std::pair<std::size_t, TenantId>> victims;  // (excess, id)
+    for (std::size_t t = 0; t < tenants_.size(); ++t) {
+      if (t == ss->tenant) continue;
+      const std::size_t mapped = TenantMapped(static_cast<TenantId>(t));
+      const Budget& b = tenants_[t]->budget;
+      if (mapped <= b.min) continue;
+      const std::size_t over_high = mapped > b.high ? mapped - b.high : 0;
+      victims.emplace_back(over_high != 0 ? over_high : mapped - b.min,
+                           static_cast<TenantId>(t));
+      if (over_high != 0) victims.back().first += device_total_;
+    }
+    std::sort(victims.begin(), victims.end(),
+              [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (const auto& [excess, t] : victims) {
+      if (got >= want) break;
+      const std::size_t min = tenants_[t]->budget.min;
+      for (StreamState* x : TenantStreams(t)) {
+        const std::size_t mapped = TenantMapped(t);
+        if (got >= want || mapped <= min) break;
+        const std::size_t allow = (mapped - min) / granule_ * granule_;
+        if (allow == 0) break;
+        bool busy = false;
+        std::size_t moved = 0;
+        UnmapFreeGranules(
+            x, std::min(allow, want - got + granule_ - 1) / granule_ * granule_,
+            /*wait=*/false, nullptr, &busy, &moved)
+            .IgnoreError();
+        tenants_[t]->reclaimed_from += moved;
+        tenants_[ss->tenant]->reclaimed_by += moved;
+        got += moved;
+      }
+    }
+    return got;
+  }
+
+  // The slow path of Allocate in expandable mode. REQUIRES: context set.
+  absl::StatusOr<DevicePtr> AllocateExpandable(StreamState* ss,
+                                               std::size_t rounded,
+                                               std::size_t requested,
+                                               bool small, bool* oom)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    DecayCache(nullptr).IgnoreError();
+    CTXPOOL_ASSIGN_OR_RETURN(Segment * seg, EnsureRange(ss, small));
+    Block* b = FindFree(ss, rounded, small);
+    if (b == nullptr) {  // the virtual range is full
+      *oom = true;
+      return absl::ResourceExhaustedError("virtual range exhausted");
+    }
+    const std::size_t take = TakeSize(b, rounded, small);
+    const std::uint64_t lo = b->address;
+    const std::uint64_t hi = b->address + take;
+    std::size_t need = UnmappedBytes(seg, lo, take);
+    Tenant& t = *tenants_[ss->tenant];
+    if (t.budget.max != kNoLimit &&
+        TenantMapped(ss->tenant) + need > t.budget.max) {
+      // Over max: reuse the tenant's own free granules first.
+      for (StreamState* x : TenantStreams(ss->tenant)) {
+        bool busy = false;
+        UnmapFreeGranules(x, kNoLimit, /*wait=*/false, nullptr, &busy, nullptr,
+                          x == ss ? lo : 0, x == ss ? hi : 0)
+            .IgnoreError();
+      }
+      need = UnmappedBytes(seg, lo, take);
+      if (TenantMapped(ss->tenant) + need > t.budget.max) {
+        return TenantOom(ss, requested, need);
+      }
+    }
+    // Compaction: rather than growing while much mapped memory of this
+    // stream sits free, move its idle free granules to the cache.
+    if (need > granule_cache_.size() * granule_) {
+      const std::size_t live = Current(total_.allocated_bytes) + take;
+      const std::size_t slack = std::max<std::size_t>(4 * granule_, live / 16);
+      if (Reserved() + need > live + slack) {
+        bool busy = false;
+        UnmapFreeGranules(ss, need - CacheBytes(), /*wait=*/false, nullptr,
+                          &busy, nullptr, lo, hi)
+            .IgnoreError();
+      }
+    }
+    absl::Status s = MapRange(seg, lo, take);
+    if (!s.ok() && IsOutOfMemory(s)) {
+      ++num_alloc_retries_;
+      Reclaim(ss, UnmappedBytes(seg, lo, take), lo, hi);
+      s = MapRange(seg, lo, take);
+    }
+    if (!s.ok()) {
+      if (IsOutOfMemory(s)) *oom = true;
+      return s;
+    }
+    NotePeak(ss->tenant);
+    return TakeBlock(b, rounded, requested);
+  }
+
+  absl::StatusOr<DevicePtr> Traced(absl::StatusOr<DevicePtr> p,
+                                   std::size_t requested, StreamState* ss)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (recorder_.enabled() && p.ok()) {
+      recorder_.Record(TraceOp::kAlloc, p->address(), requested, ss->stream,
+                       ss->tenant);
+    }
+    return p;
+  }
+
   // Everything after a cache miss: poll events, reuse another stream's
   // wholly free segment, get a new segment, or go through the OOM path.
   // Sets *oom (and fills *report) when memory ran out.
@@ -896,11 +1619,38 @@ class CachingDeviceAllocator::Impl {
         return TakeBlock(b, rounded, requested);
       }
     }
-    if (Segment* seg = FindStealable(ss, rounded, small)) {
-      CTXPOOL_RETURN_IF_ERROR(MoveSegment(seg, ss));
-      return TakeBlock(seg->first, rounded, requested);
+    if (expandable_) {
+      absl::StatusOr<DevicePtr> p =
+          AllocateExpandable(ss, rounded, requested, small, oom);
+      if (*oom) FillReport(ss, rounded, requested, report);
+      if (!p.ok() && *oom)
+        return absl::ResourceExhaustedError(report->ToString());
+      return p;
     }
     const std::size_t segment_bytes = classes_.SegmentBytes(rounded);
+    const Budget& budget = tenants_[ss->tenant]->budget;
+    if (budget.max != kNoLimit &&
+        TenantMapped(ss->tenant) + segment_bytes > budget.max) {
+      for (StreamState* x : TenantStreams(ss->tenant)) {
+        TrimResult scratch;
+        std::size_t busy = 0;
+        ReleaseCached(x, 0, &scratch, &busy).IgnoreError();
+      }
+      if (Block* fit = FindFree(ss, rounded, small)) {
+        return TakeBlock(fit, rounded, requested);
+      }
+      if (TenantMapped(ss->tenant) + segment_bytes > budget.max) {
+        return TenantOom(ss, requested, segment_bytes);
+      }
+    }
+    if (Segment* seg = FindStealable(ss, rounded, small)) {
+      if (Owner(seg)->tenant == ss->tenant ||
+          TenantMapped(ss->tenant) + seg->size <= budget.max) {
+        CTXPOOL_RETURN_IF_ERROR(MoveSegment(seg, ss));
+        NotePeak(ss->tenant);
+        return TakeBlock(seg->first, rounded, requested);
+      }
+    }
     absl::StatusOr<Block*> b = NewSegment(ss, segment_bytes, small);
     if (b.ok()) return TakeBlock(*b, rounded, requested);
     if (!IsOutOfMemory(b.status())) return b.status();
@@ -915,12 +1665,19 @@ class CachingDeviceAllocator::Impl {
     if (Block* fit = FindFree(ss, rounded, small)) {
       return TakeBlock(fit, rounded, requested);
     }
-    ReleaseCached(nullptr, 0, &scratch, &busy).IgnoreError();
+    ReleaseCached(nullptr, 0, &scratch, &busy, /*protect_min=*/true)
+        .IgnoreError();
     b = NewSegment(ss, segment_bytes, small);
     if (b.ok()) return TakeBlock(*b, rounded, requested);
     if (!IsOutOfMemory(b.status())) return b.status();
 
     *oom = true;
+    FillReport(ss, rounded, requested, report);
+    return absl::ResourceExhaustedError(report->ToString());
+  }
+
+  void FillReport(StreamState* ss, std::size_t rounded, std::size_t requested,
+                  OomReport* report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     report->requested_bytes = requested;
     report->rounded_bytes = rounded;
     report->stream = StreamHandle(ss->stream);
@@ -948,7 +1705,7 @@ class CachingDeviceAllocator::Impl {
     } else {
       report->device_total_bytes = device_total_;
     }
-    return absl::ResourceExhaustedError(report->ToString());
+    report->largest_free_bytes = std::min(largest, free_bytes);
   }
 
   Driver& driver_;
@@ -958,7 +1715,10 @@ class CachingDeviceAllocator::Impl {
   const ContextHandle ctx_;
   const bool owns_ctx_;
   const std::size_t device_total_;
+  const bool expandable_;
+  const std::size_t granule_;  // VMM granularity (expandable mode)
   const std::unique_ptr<SegmentBacking> backing_;
+  TraceRecorder recorder_;
 
   mutable absl::Mutex mu_;
   BlockPool blocks_ ABSL_GUARDED_BY(mu_);
@@ -984,6 +1744,13 @@ class CachingDeviceAllocator::Impl {
   std::int64_t invalid_frees_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t invalid_requests_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t destroyed_streams_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t granule_maps_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t granule_unmaps_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::btree_map<std::uint64_t, std::unique_ptr<VmmRange>> vmm_ranges_
+      ABSL_GUARDED_BY(mu_);
+  std::vector<CachedGranule> granule_cache_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Tenant>> tenants_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::uint64_t> bound_ ABSL_GUARDED_BY(mu_);
 };
 
 namespace {
@@ -1052,9 +1819,23 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
     }
     const std::uint64_t s = seg.stream;
     add(s, &PoolStats::segment, seg.small, 1);
+    const VmmRange* range = expandable_ ? RangeOf(&seg) : nullptr;
+    if (range != nullptr) {  // I9
+      std::size_t mapped = 0;
+      for (const PhysicalMemHandle& h : range->slots) {
+        if (!h.is_null()) mapped += granule_;
+      }
+      if (mapped != range->mapped || range->base != seg.base ||
+          range->size != seg.size ||
+          Owner(&seg)->range[PoolIndex(seg.small)] != &seg) {
+        return absl::InternalError(
+            absl::StrFormat("I9: range 0x%x maps %d bytes, books say %d",
+                            seg.base, mapped, range->mapped));
+      }
+    }
     add(s, &PoolStats::reserved_bytes, seg.small,
-        static_cast<std::int64_t>(seg.size));
-    const bool whole = seg.wholly_free();
+        static_cast<std::int64_t>(range != nullptr ? range->mapped : seg.size));
+    const bool whole = seg.wholly_free() && !expandable_;             // I10
     if (whole != whole_free_[PoolIndex(seg.small)].Contains(&seg)) {  // I3
       return absl::InternalError(absl::StrFormat(
           "I3: segment 0x%x wholly free = %d but whole-free index says %d",
@@ -1070,6 +1851,12 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
     for (const Block* b = seg.first; b != nullptr; b = b->next) {
       ++blocks;
       const auto size = static_cast<std::int64_t>(b->size);
+      if (range != nullptr && b->state != BlockState::kFree &&
+          UnmappedBytes(&seg, b->address, b->size) != 0) {  // I9
+        return absl::InternalError(absl::StrFormat(
+            "I9: block 0x%x (%d bytes) in use on unmapped granules", b->address,
+            b->size));
+      }
       switch (b->state) {
         case BlockState::kAllocated: {
           ++allocated_blocks;
@@ -1102,7 +1889,7 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
           break;
         case BlockState::kFree:
           ++free_blocks;
-          free_bytes += b->size;
+          if (range == nullptr) free_bytes += b->size;
           if (!index.Contains(b) || b->key_size() != b->size ||
               b->key_address() != b->address) {  // I2
             return absl::InternalError(absl::StrFormat(
@@ -1114,7 +1901,7 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
             return absl::InternalError(
                 absl::StrFormat("I4: free block 0x%x is live", b->address));
           }
-          if (b->is_split()) {
+          if (range == nullptr && b->is_split()) {
             add(s, &PoolStats::inactive_split, seg.small, 1);
             add(s, &PoolStats::inactive_split_bytes, seg.small, size);
           }
@@ -1175,7 +1962,8 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
   CTXPOOL_RETURN_IF_ERROR(CompareStats(total, total_, "total"));  // I6
   const std::size_t reserved = Current(total_.reserved_bytes);
   const std::size_t allocated = Current(total_.allocated_bytes);
-  if (reserved != allocated + pending_bytes + free_bytes) {  // I7
+  if (!expandable_ &&
+      reserved != allocated + pending_bytes + free_bytes) {  // I7
     return absl::InternalError(absl::StrFormat(
         "I7: reserved %d != allocated %d + pending %d + free %d", reserved,
         allocated, pending_bytes, free_bytes));
@@ -1194,12 +1982,24 @@ absl::StatusOr<std::unique_ptr<CachingDeviceAllocator>>
 CachingDeviceAllocator::Create(Driver& driver, int device,
                                DeviceAllocatorOptions options) {
   CTXPOOL_RETURN_IF_ERROR(ValidateOptions(options));
-  if (options.backing == BackingMode::kExpandable) {
-    return absl::UnimplementedError(
-        "BackingMode::kExpandable (VMM expandable segments) is not available "
-        "yet; use BackingMode::kClassic");
-  }
   CTXPOOL_ASSIGN_OR_RETURN(std::size_t total, driver.DeviceTotalMem(device));
+  std::size_t granule = 0;
+  if (options.backing == BackingMode::kExpandable) {
+    absl::StatusOr<int> vmm = driver.DeviceGetAttribute(
+        DeviceAttribute::kVirtualMemoryManagementSupported, device);
+    if (!vmm.ok() || *vmm == 0) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "BackingMode::kExpandable: device %d does not support virtual "
+          "memory management; use BackingMode::kClassic",
+          device));
+    }
+    CTXPOOL_ASSIGN_OR_RETURN(granule,
+                             driver.MemGetAllocationGranularity(device));
+    if (granule == 0 || !IsPowerOfTwo(granule)) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("bad VMM granularity %d", granule));
+    }
+  }
   ContextHandle ctx = options.context;
   bool owns_ctx = false;
   if (ctx.is_null()) {
@@ -1207,7 +2007,7 @@ CachingDeviceAllocator::Create(Driver& driver, int device,
     owns_ctx = true;
   }
   auto impl = std::make_unique<Impl>(driver, device, std::move(options), ctx,
-                                     owns_ctx, total);
+                                     owns_ctx, total, granule);
   return std::unique_ptr<CachingDeviceAllocator>(
       new CachingDeviceAllocator(std::move(impl)));
 }
@@ -1231,6 +2031,28 @@ absl::Status CachingDeviceAllocator::RecordStream(DevicePtr ptr,
 absl::StatusOr<TrimResult> CachingDeviceAllocator::Trim(
     std::size_t keep_bytes) {
   return impl_->Trim(keep_bytes);
+}
+absl::StatusOr<TrimResult> CachingDeviceAllocator::TrimIdle() {
+  return impl_->TrimIdle();
+}
+absl::StatusOr<TenantId> CachingDeviceAllocator::RegisterTenant(
+    absl::string_view name, Budget budget) {
+  return impl_->RegisterTenant(name, budget);
+}
+absl::Status CachingDeviceAllocator::BindStream(StreamHandle stream,
+                                                TenantId tenant) {
+  return impl_->BindStream(stream, tenant);
+}
+absl::StatusOr<TrimResult> CachingDeviceAllocator::SetBudget(TenantId tenant,
+                                                             Budget budget) {
+  return impl_->SetBudget(tenant, budget);
+}
+absl::StatusOr<TenantStats> CachingDeviceAllocator::GetTenantStats(
+    TenantId tenant) const {
+  return impl_->GetTenantStats(tenant);
+}
+TraceRecorder& CachingDeviceAllocator::trace_recorder() {
+  return impl_->recorder();
 }
 absl::Status CachingDeviceAllocator::Reset(bool force) {
   return impl_->Reset(force);

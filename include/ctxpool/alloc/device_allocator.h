@@ -56,6 +56,35 @@
 // and no heap allocation. Slow paths make the allocator's context current
 // around their driver calls (ScopedContext) and restore the caller's.
 //
+// Expandable segments (BackingMode::kExpandable, needs a device with VMM):
+// each (stream, pool) reserves one virtual range the size of the device's
+// memory on its first allocation; its blocks split and coalesce inside the
+// range as in a classic segment, and 2 MiB physical granules (cuMemCreate)
+// are mapped under a block when it is handed out. Trim unmaps every granule
+// wholly covered by free blocks (once the owner stream's queued work is done)
+// into a per-device granule cache; growth on any stream maps a cached granule
+// before it calls cuMemCreate, so physical memory moves between streams and
+// models without a host synchronise of unrelated streams. In this mode the
+// reserved_bytes statistics count MAPPED physical bytes (the operator's
+// "reserved"); cached granules are reported separately (granule_cache_bytes).
+// max_split_size does not apply (the range is one segment).
+//
+// Tenants (models), after cgroup v2's memory controller, on the physical
+// bytes mapped (expandable) or reserved (classic) by the streams bound to
+// them:
+//
+//   CTXPOOL_ASSIGN_OR_RETURN(TenantId llm, alloc->RegisterTenant(
+//       "llm", Budget{.min = 4 << 30, .high = 20ull << 30, .max = 24ull <<
+//       30}));
+//   CTXPOOL_RETURN_IF_ERROR(alloc->BindStream(llm_stream, llm));
+//
+//   * max: growth beyond it first unmaps the tenant's own free granules, then
+//     fails with RESOURCE_EXHAUSTED naming the tenant; others are unaffected.
+//   * high (expandable): above it, frees return granules to the cache.
+//   * min: under device pressure (cuMemCreate fails) free granules of other
+//     tenants are reclaimed, most over budget first, never below their min.
+// Unbound streams belong to the default tenant (kDefaultTenant, no limits).
+//
 // Invariants (checked by CheckInvariants(), listed in device_allocator.cc):
 // segments are tiled exactly by coalesced blocks; every free block is in
 // exactly one free index; reserved == allocated + pending_free + free; every
@@ -74,10 +103,14 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "ctxpool/core/block.h"
 #include "ctxpool/core/fragmentation.h"
 #include "ctxpool/core/stats.h"
 #include "ctxpool/driver/driver.h"
+#include "ctxpool/trace/recorder.h"
 
 namespace ctxpool {
 
@@ -125,6 +158,37 @@ struct DeviceAllocatorOptions {
   // device's primary context (released at destruction).
   ContextHandle context;
   OomCallback on_oom;
+  // Expandable mode: cached granules unused for this long are released to
+  // the driver at the next slow-path allocator call or TrimIdle() (never on
+  // the cached hot path). InfiniteDuration() keeps them until Trim.
+  absl::Duration idle_release_after = absl::InfiniteDuration();
+  // The clock for idle_release_after; null means absl::Now (tests inject).
+  std::function<absl::Time()> clock;
+};
+
+// A tenant (model) of the allocator; see the banner.
+using TenantId = std::uint32_t;
+inline constexpr TenantId kDefaultTenant = 0;
+inline constexpr std::size_t kNoLimit = std::numeric_limits<std::size_t>::max();
+
+// Budget of a tenant in bytes of physical memory. REQUIRES: min <= max.
+struct Budget {
+  std::size_t min = 0;          // protected from reclaim by other tenants
+  std::size_t high = kNoLimit;  // above it frees give granules back
+  std::size_t max = kNoLimit;   // hard limit
+};
+
+struct TenantStats {
+  std::string name;
+  Budget budget;
+  std::size_t live_bytes = 0;    // allocated to callers on its streams
+  std::size_t mapped_bytes = 0;  // physical bytes its streams hold
+  std::size_t cached_bytes = 0;  // mapped − live (free, kept mapped)
+  std::size_t peak_mapped_bytes = 0;
+  std::size_t reclaimed_from_bytes = 0;  // taken from it under pressure
+  std::size_t reclaimed_by_bytes = 0;    // it took from others
+  std::int64_t num_ooms = 0;             // its RESOURCE_EXHAUSTED results
+  std::int64_t num_streams = 0;          // streams bound to it
 };
 
 // Stat, StatPool, StatArray and PoolStats live in ctxpool/core/stats.h;
@@ -147,6 +211,11 @@ struct DeviceAllocatorStats {
   // Streams found destroyed while the allocator still cached their memory;
   // their work was waited for (a context synchronise) before reuse.
   std::int64_t destroyed_streams = 0;
+  // Expandable mode: granules mapped and unmapped (cuMemMap / cuMemUnmap),
+  // and the bytes of unmapped granules kept in the per-device cache.
+  std::int64_t granule_maps = 0;
+  std::int64_t granule_unmaps = 0;
+  std::size_t granule_cache_bytes = 0;
 };
 
 struct BlockInfo {
@@ -170,18 +239,21 @@ struct AllocatorSnapshot {
 };
 
 struct TrimResult {
-  std::size_t freed_bytes = 0;      // returned to the driver
-  std::size_t remaining_bytes = 0;  // still reserved after the trim
-  std::size_t busy_bytes = 0;       // free but kept: a stream still uses it
-  int event_waits = 0;              // pending events it had to wait for
+  std::size_t freed_bytes = 0;  // returned to the driver
+  // Still reserved after the trim (expandable: mapped + cached granules; for
+  // SetBudget: the tenant's mapped bytes).
+  std::size_t remaining_bytes = 0;
+  std::size_t busy_bytes = 0;  // free but kept: a stream still uses it
+  int event_waits = 0;         // pending events it had to wait for
 };
 
 class CachingDeviceAllocator {
  public:
   // Creates an allocator for `device`. The driver must outlive it. Retains
   // the device's primary context unless options.context is set.
-  // INVALID_ARGUMENT for inconsistent options, UNIMPLEMENTED for
-  // BackingMode::kExpandable (not available yet), or the driver's error.
+  // INVALID_ARGUMENT for inconsistent options, FAILED_PRECONDITION for
+  // BackingMode::kExpandable on a device without VMM support, or the
+  // driver's error.
   static absl::StatusOr<std::unique_ptr<CachingDeviceAllocator>> Create(
       Driver& driver, int device, DeviceAllocatorOptions options = {});
 
@@ -214,12 +286,41 @@ class CachingDeviceAllocator {
   absl::Status RecordStream(DevicePtr ptr, StreamHandle stream);
 
   // Returns cached memory to the driver until at most `keep_bytes` stay
-  // reserved beyond live blocks, largest wholly free segments first. First
+  // reserved beyond live blocks, largest wholly free segments first
+  // (expandable: unmaps every granule wholly covered by free blocks into the
+  // granule cache, then releases cached granules down to `keep_bytes`). First
   // waits for the events of pending frees. Never releases memory a pending
   // stream may still touch: waits on that stream's event (counted in the
   // result and in num_host_syncs); memory it cannot wait for stays
   // (busy_bytes). A driver error leaves the segment cached and is returned.
   absl::StatusOr<TrimResult> Trim(std::size_t keep_bytes = 0);
+
+  // Releases cached granules unused for options.idle_release_after and
+  // returns to the cache the free granules of tenants above their high
+  // whose streams finished their work. Never waits: a server calls it
+  // between requests. OK with nothing to do in classic mode.
+  absl::StatusOr<TrimResult> TrimIdle();
+
+  // ---- Tenants -------------------------------------------------------------
+  // Registers a tenant. INVALID_ARGUMENT for an empty or taken name or
+  // budget.min > budget.max.
+  absl::StatusOr<TenantId> RegisterTenant(absl::string_view name,
+                                          Budget budget);
+  // Charges later allocations on `stream` (and the memory it holds now) to
+  // `tenant`. INVALID_ARGUMENT for an unknown tenant or a stream bound
+  // before.
+  absl::Status BindStream(StreamHandle stream, TenantId tenant);
+  // Changes a budget at run time. When max drops below the tenant's mapped
+  // bytes, unmaps its free granules (waiting for its streams' queued work,
+  // counted in event_waits) and reports what remains in remaining_bytes;
+  // busy_bytes is what stays above max. INVALID_ARGUMENT as RegisterTenant.
+  absl::StatusOr<TrimResult> SetBudget(TenantId tenant, Budget budget);
+  // NOT_FOUND for an unknown tenant.
+  absl::StatusOr<TenantStats> GetTenantStats(TenantId tenant) const;
+
+  // The allocator's trace recorder (off until Enable): allocations, frees,
+  // free completions, segment/granule maps and unmaps, trims and OOMs.
+  TraceRecorder& trace_recorder();
 
   // Drops everything: waits for the owner streams' queued work, then frees
   // every segment. With live allocations it fails with FAILED_PRECONDITION

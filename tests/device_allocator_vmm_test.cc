@@ -1,0 +1,262 @@
+// Tests of CachingDeviceAllocator's expandable (VMM) backing on SimDriver:
+// granules mapped on demand, the granule cache, Trim, decay and the trace
+// recorder hook.
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "ctxpool/alloc/device_allocator.h"
+#include "ctxpool/driver/sim_driver.h"
+#include "ctxpool/trace/recorder.h"
+#include "gtest/gtest.h"
+
+namespace ctxpool {
+namespace {
+
+constexpr std::size_t kGranule = 2 * kMiB;
+
+std::uint64_t SyncCalls(const SimDriver& sim) {
+  return sim.call_count(SimCall::kEventSynchronize) +
+         sim.call_count(SimCall::kStreamSynchronize) +
+         sim.call_count(SimCall::kCtxSynchronize);
+}
+
+class VmmTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Init(); }
+
+  void Init(DeviceAllocatorOptions options = {},
+            std::size_t capacity = 1 * kGiB) {
+    alloc_.reset();
+    SimDeviceSpec spec;
+    spec.capacity_bytes = capacity;
+    spec.context_overhead_bytes = 0;
+    sim_ = SimDriver::Create({.devices = {spec}});
+    ctx_ = *sim_->PrimaryCtxRetain(0);
+    ASSERT_TRUE(sim_->CtxSetCurrent(ctx_).ok());
+    s1_ = *sim_->StreamCreate(kStreamNonBlocking, 0);
+    s2_ = *sim_->StreamCreate(kStreamNonBlocking, 0);
+    options.backing = BackingMode::kExpandable;
+    auto a = CachingDeviceAllocator::Create(*sim_, 0, std::move(options));
+    ASSERT_TRUE(a.ok()) << a.status();
+    alloc_ = std::move(*a);
+  }
+
+  void TearDown() override {
+    if (alloc_ != nullptr) {
+      absl::Status inv = alloc_->CheckInvariants();
+      EXPECT_TRUE(inv.ok()) << inv;
+    }
+    alloc_.reset();
+    EXPECT_EQ(sim_->race_count(), 0u);
+    EXPECT_EQ(sim_->misuse_count(), 0u);
+    for (const SimRace& race : sim_->Races()) ADD_FAILURE() << race.description;
+  }
+
+  DevicePtr Alloc(std::size_t bytes, StreamHandle s) {
+    absl::StatusOr<DevicePtr> p = alloc_->Allocate(bytes, s);
+    EXPECT_TRUE(p.ok()) << p.status();
+    if (!p.ok()) return DevicePtr();
+    EXPECT_TRUE(sim_->Touch(s, *p, bytes == 0 ? 1 : bytes).ok());
+    return *p;
+  }
+  void Free(DevicePtr p) {
+    absl::Status s = alloc_->Deallocate(p);
+    EXPECT_TRUE(s.ok()) << s;
+  }
+  std::size_t Reserved() {
+    return static_cast<std::size_t>(
+        alloc_->Stats().total.reserved_bytes[0].current);
+  }
+  std::size_t Live() {
+    return static_cast<std::size_t>(
+        alloc_->Stats().total.allocated_bytes[0].current);
+  }
+
+  std::unique_ptr<SimDriver> sim_;
+  ContextHandle ctx_;
+  StreamHandle s1_, s2_;
+  std::unique_ptr<CachingDeviceAllocator> alloc_;
+};
+
+TEST_F(VmmTest, MapsGranulesOnDemandAndReusesFreedBlocks) {
+  DevicePtr a = Alloc(1000, s1_);
+  EXPECT_EQ(Reserved(), kGranule);  // reserved counts mapped bytes
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 1u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), 1u);
+  DevicePtr b = Alloc(1000, s1_);  // same granule
+  EXPECT_EQ(b, a + 1024);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 1u);
+  DevicePtr big = Alloc(5 * kMiB, s1_);  // large pool: its own range
+  EXPECT_EQ(Reserved(), kGranule + 6 * kMiB);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), 2u);
+  Free(big);
+  DevicePtr again = Alloc(5 * kMiB, s1_);
+  EXPECT_EQ(again, big);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 4u);
+  Free(again);
+  Free(a);
+  Free(b);
+  // Blocks coalesce inside the range: one free block per range.
+  AllocatorSnapshot snap = alloc_->Snapshot();
+  ASSERT_EQ(snap.segments.size(), 2u);
+  for (const SegmentInfo& seg : snap.segments) {
+    EXPECT_EQ(seg.blocks.size(), 1u);
+    EXPECT_EQ(seg.stream, s1_);
+  }
+}
+
+TEST_F(VmmTest, TrimUnmapsFreeGranulesIntoCacheThenReleasesThem) {
+  DevicePtr keep = Alloc(3 * kMiB, s1_);
+  std::vector<DevicePtr> ps;
+  for (int i = 0; i < 4; ++i) ps.push_back(Alloc(4 * kMiB, s1_));
+  for (DevicePtr p : ps) Free(p);
+  ASSERT_EQ(Reserved(), 20 * kMiB);
+  absl::StatusOr<TrimResult> t = alloc_->Trim(/*keep_bytes=*/64 * kMiB);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->freed_bytes, 0u);    // all kept in the granule cache
+  EXPECT_EQ(Reserved(), 4 * kMiB);  // the granules under `keep`
+  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 16 * kMiB);
+  EXPECT_EQ(t->remaining_bytes, 20 * kMiB);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 0u);
+  // Growth maps cached granules before calling cuMemCreate.
+  const std::uint64_t creates = sim_->call_count(SimCall::kMemCreate);
+  DevicePtr p = Alloc(8 * kMiB, s2_);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), creates);
+  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 8 * kMiB);
+  Free(p);
+  t = alloc_->Trim(0);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->freed_bytes, 16 * kMiB);
+  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 0u);
+  EXPECT_EQ(Reserved(), 4 * kMiB);
+  // After Trim, reserved − live is at most one granule per active stream.
+  EXPECT_LE(Reserved() - Live(), kGranule);
+  Free(keep);
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  EXPECT_EQ(Reserved(), 0u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease),
+            sim_->call_count(SimCall::kMemCreate));
+}
+
+TEST_F(VmmTest, GranuleMovesBetweenStreamsWithoutHostSync) {
+  DevicePtr p = Alloc(6 * kMiB, s1_);
+  Free(p);
+  ASSERT_TRUE(alloc_->Trim(/*keep_bytes=*/kGiB).ok());
+  const std::uint64_t creates = sim_->call_count(SimCall::kMemCreate);
+  DevicePtr q = Alloc(6 * kMiB, s2_);  // s2 writes the granules s1 used
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), creates);
+  EXPECT_EQ(SyncCalls(*sim_), 0u);
+  Free(q);
+}
+
+TEST_F(VmmTest, HeldStreamKeepsItsGranulesUntilItsWorkCompletes) {
+  DeviceAllocatorOptions o;
+  Init(o);
+  absl::StatusOr<TenantId> t = alloc_->RegisterTenant("m", Budget{.high = 0});
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE(alloc_->BindStream(s1_, *t).ok());
+  sim_->Hold(s1_);
+  DevicePtr p = Alloc(4 * kMiB, s1_);
+  Free(p);  // above high: wants to give the granules back, but s1 is busy
+  EXPECT_EQ(Reserved(), 4 * kMiB);
+  EXPECT_EQ(alloc_->Stats().granule_unmaps, 0);
+  ASSERT_TRUE(alloc_->TrimIdle().ok());  // never waits
+  EXPECT_EQ(Reserved(), 4 * kMiB);
+  // Another stream's growth cannot take them either: it creates its own.
+  const std::uint64_t creates = sim_->call_count(SimCall::kMemCreate);
+  DevicePtr q = Alloc(2 * kMiB, s2_);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), creates + 1);
+  sim_->Release(s1_);
+  ASSERT_TRUE(alloc_->TrimIdle().ok());
+  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 4 * kMiB);
+  DevicePtr r = Alloc(4 * kMiB, s2_);  // from the cache, after s1's work
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), creates + 1);
+  EXPECT_EQ(SyncCalls(*sim_), 0u);
+  Free(q);
+  Free(r);
+}
+
+TEST_F(VmmTest, CachedGranulesDecay) {
+  absl::Time now = absl::FromUnixSeconds(1000);
+  DeviceAllocatorOptions o;
+  o.idle_release_after = absl::Seconds(5);
+  o.clock = [&now] { return now; };
+  Init(o);
+  DevicePtr p = Alloc(8 * kMiB, s1_);
+  Free(p);
+  ASSERT_TRUE(alloc_->Trim(kGiB).ok());
+  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 8 * kMiB);
+  now += absl::Seconds(4);
+  absl::StatusOr<TrimResult> t = alloc_->TrimIdle();
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(t->freed_bytes, 0u);
+  now += absl::Seconds(2);
+  t = alloc_->TrimIdle();
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(t->freed_bytes, 8 * kMiB);
+  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 0u);
+}
+
+TEST_F(VmmTest, NoVmmDeviceIsAPreconditionError) {
+  SimDeviceSpec spec;
+  spec.vmm_supported = false;
+  auto sim = SimDriver::Create({.devices = {spec}});
+  DeviceAllocatorOptions o;
+  o.backing = BackingMode::kExpandable;
+  EXPECT_EQ(CachingDeviceAllocator::Create(*sim, 0, o).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(VmmTest, ResetUnmapsAndFreesTheRanges) {
+  DevicePtr p = Alloc(3 * kMiB, s1_);
+  Alloc(100, s2_);
+  EXPECT_EQ(alloc_->Reset().code(), absl::StatusCode::kFailedPrecondition);
+  Free(p);
+  ASSERT_TRUE(alloc_->Reset(/*force=*/true).ok());
+  EXPECT_EQ(Reserved(), 0u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressFree), 2u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease),
+            sim_->call_count(SimCall::kMemCreate));
+  Alloc(100, s2_);  // usable again
+}
+
+TEST_F(VmmTest, DeviceOomReportsAndRecovers) {
+  Init({}, 16 * kMiB);
+  DevicePtr p = Alloc(12 * kMiB, s1_);
+  absl::StatusOr<DevicePtr> q = alloc_->Allocate(8 * kMiB, s2_);
+  EXPECT_EQ(q.status().code(), absl::StatusCode::kResourceExhausted);
+  Free(p);
+  // s1's free granules go to s2 (s1 is idle: no wait needed).
+  DevicePtr r = Alloc(14 * kMiB, s2_);
+  EXPECT_EQ(SyncCalls(*sim_), 0u);
+  Free(r);
+}
+
+TEST_F(VmmTest, TraceRecorderSeesAllocatorEvents) {
+  TraceRecorder& rec = alloc_->trace_recorder();
+  EXPECT_FALSE(rec.enabled());
+  rec.Enable(1024);
+  DevicePtr p = Alloc(3000, s1_);
+  Free(p);
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  Trace t = rec.Snapshot();
+  std::vector<TraceOp> ops;
+  for (const TraceEvent& e : t.events()) ops.push_back(e.op);
+  ASSERT_GE(ops.size(), 6u);
+  EXPECT_EQ(ops[0], TraceOp::kSegmentMap);
+  EXPECT_EQ(ops[1], TraceOp::kAlloc);
+  EXPECT_EQ(t.events()[1].size, 3000u);
+  EXPECT_EQ(t.events()[1].ptr, p.address());
+  EXPECT_EQ(ops[2], TraceOp::kFree);
+  EXPECT_EQ(ops[3], TraceOp::kFreeCompleted);
+  EXPECT_EQ(ops[4], TraceOp::kSegmentUnmap);
+  EXPECT_EQ(ops.back(), TraceOp::kTrim);
+  EXPECT_EQ(t.events().back().size, kGranule);
+}
+
+}  // namespace
+}  // namespace ctxpool
