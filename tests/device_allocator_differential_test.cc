@@ -10,6 +10,11 @@
 // holds every 1000 steps and at the end, every block is touched on its
 // stream(s) and the simulator reports no race and no misuse.
 //
+// The test runs in both backing modes (classic segments and expandable VMM
+// ranges). Streams 0-1 belong to tenant "a" and 2-3 to tenant "b" with
+// budgets (b has a low high, so its frees shed granules); each tenant's live
+// bytes equal the model's and its mapped bytes stay under its max.
+//
 // Environment: CTXPOOL_TEST_SEED (default 20240601) and CTXPOOL_DIFF_OPS
 // (total operations, default 200000; sanitizer builds may lower it).
 #include <algorithm>
@@ -120,7 +125,7 @@ class Model {
   std::size_t allocated_ = 0;
 };
 
-class DifferentialTest : public ::testing::Test {
+class DifferentialTest : public ::testing::TestWithParam<BackingMode> {
  protected:
   void SetUp() override {
     seed_ = EnvOr("CTXPOOL_TEST_SEED", 20240601);
@@ -131,9 +136,19 @@ class DifferentialTest : public ::testing::Test {
     for (int i = 0; i < 4; ++i) {
       streams_.push_back(*sim_->StreamCreate(kStreamNonBlocking, 0));
     }
-    auto a = CachingDeviceAllocator::Create(*sim_, 0);
+    DeviceAllocatorOptions o;
+    o.backing = GetParam();
+    auto a = CachingDeviceAllocator::Create(*sim_, 0, o);
     ASSERT_TRUE(a.ok()) << a.status();
     alloc_ = std::move(*a);
+    absl::StatusOr<TenantId> ta = alloc_->RegisterTenant("a", kBudgetA);
+    absl::StatusOr<TenantId> tb = alloc_->RegisterTenant("b", kBudgetB);
+    ASSERT_TRUE(ta.ok() && tb.ok());
+    tenants_[0] = *ta;
+    tenants_[1] = *tb;
+    for (int i = 0; i < 4; ++i) {
+      ASSERT_TRUE(alloc_->BindStream(streams_[i], tenants_[i / 2]).ok());
+    }
     std::printf("CTXPOOL_TEST_SEED=%llu CTXPOOL_DIFF_OPS=%llu\n",
                 static_cast<unsigned long long>(seed_),
                 static_cast<unsigned long long>(ops_));
@@ -157,6 +172,20 @@ class DifferentialTest : public ::testing::Test {
               static_cast<std::int64_t>(m.requested()));
     ASSERT_EQ(st.total.allocated_bytes[0].current,
               static_cast<std::int64_t>(m.allocated()));
+    std::size_t tenant_live[2] = {0, 0};
+    for (const auto& [address, live] : m.blocks()) {
+      for (int i = 0; i < 4; ++i) {
+        if (streams_[i] == live.stream) tenant_live[i / 2] += live.size;
+      }
+    }
+    const Budget budgets[2] = {kBudgetA, kBudgetB};
+    for (int t = 0; t < 2; ++t) {
+      absl::StatusOr<TenantStats> ts = alloc_->GetTenantStats(tenants_[t]);
+      ASSERT_TRUE(ts.ok());
+      ASSERT_EQ(ts->live_bytes, tenant_live[t]) << "tenant " << t;
+      ASSERT_LE(ts->mapped_bytes, budgets[t].max) << "tenant " << t;
+      ASSERT_EQ(ts->num_ooms, 0);
+    }
     if (!snapshot) return;
     absl::Status inv = alloc_->CheckInvariants();
     ASSERT_TRUE(inv.ok()) << inv;
@@ -181,9 +210,14 @@ class DifferentialTest : public ::testing::Test {
   ContextHandle ctx_;
   std::vector<StreamHandle> streams_;
   std::unique_ptr<CachingDeviceAllocator> alloc_;
+  TenantId tenants_[2] = {};
+  static constexpr Budget kBudgetA = {
+      .min = 256 * kMiB, .high = kNoLimit, .max = 12 * kGiB};
+  static constexpr Budget kBudgetB = {
+      .min = 0, .high = 512 * kMiB, .max = 12 * kGiB};
 };
 
-TEST_F(DifferentialTest, MatchesReferenceModel) {
+TEST_P(DifferentialTest, MatchesReferenceModel) {
   std::mt19937_64 rng(seed_);
   Model model;
   std::vector<bool> held(streams_.size(), false);
@@ -241,7 +275,10 @@ TEST_F(DifferentialTest, MatchesReferenceModel) {
       ASSERT_LE(info->size - rounded, rounded <= kMiB ? 0 : kMiB);
       std::string overlap = model.Add(*p, Live{bytes, info->size, s, s});
       ASSERT_EQ(overlap, "");
-      ASSERT_TRUE(sim_->Touch(s, *p, std::max<std::size_t>(bytes, 1)).ok());
+      {
+        absl::Status ts = sim_->Touch(s, *p, std::max<std::size_t>(bytes, 1));
+        ASSERT_TRUE(ts.ok()) << ts;
+      }
     } else if (model.count() > 0) {  // free
       const std::uint64_t a = model.Pick(rng);
       model.Remove(a);
@@ -364,19 +401,33 @@ TEST_F(DifferentialTest, MatchesReferenceModel) {
   EXPECT_EQ(st.num_ooms, 0);
   EXPECT_EQ(st.invalid_frees, 0);
   std::printf(
-      "cache hits %lld, upstream allocs %lld, stream waits %lld, host syncs "
-      "%lld, retries %lld, trims %lld\n",
+      "%s: cache hits %lld, upstream allocs %lld, stream waits %lld, host "
+      "syncs %lld, retries %lld, trims %lld, granule maps %lld, peak "
+      "reserved / peak allocated %.3f\n",
+      GetParam() == BackingMode::kClassic ? "classic" : "expandable",
       static_cast<long long>(st.cache_hits),
       static_cast<long long>(st.upstream_allocs),
       static_cast<long long>(st.num_stream_waits),
       static_cast<long long>(st.num_host_syncs),
       static_cast<long long>(st.num_alloc_retries),
-      static_cast<long long>(st.num_trims));
+      static_cast<long long>(st.num_trims),
+      static_cast<long long>(st.granule_maps),
+      static_cast<double>(st.total.reserved_bytes[0].peak) /
+          static_cast<double>(st.total.allocated_bytes[0].peak));
   EXPECT_EQ(sim_->race_count(), 0u);
   for (const SimRace& race : sim_->Races()) ADD_FAILURE() << race.description;
   EXPECT_EQ(sim_->misuse_count(), 0u);
   for (const std::string& m : sim_->misuse_log()) ADD_FAILURE() << m;
 }
+
+INSTANTIATE_TEST_SUITE_P(Backings, DifferentialTest,
+                         ::testing::Values(BackingMode::kClassic,
+                                           BackingMode::kExpandable),
+                         [](const auto& info) {
+                           return info.param == BackingMode::kClassic
+                                      ? std::string("Classic")
+                                      : std::string("Expandable");
+                         });
 
 }  // namespace
 }  // namespace ctxpool

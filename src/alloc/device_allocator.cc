@@ -1160,6 +1160,13 @@ class CachingDeviceAllocator::Impl {
     }
     return n;
   }
+  std::size_t TenantLive(TenantId t) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::size_t n = 0;
+    for (const auto& [stream, ss] : streams_) {
+      if (ss->tenant == t) n += Current(ss->stats.allocated_bytes);
+    }
+    return n;
+  }
   // The tenant's streams, by handle (deterministic order).
   std::vector<StreamState*> TenantStreams(TenantId t) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -1567,16 +1574,25 @@ class CachingDeviceAllocator::Impl {
         return TenantOom(ss, requested, need);
       }
     }
-    // Compaction: rather than growing while much mapped memory of this
-    // stream sits free, move its idle free granules to the cache.
-    if (need > granule_cache_.size() * granule_) {
-      const std::size_t live = Current(total_.allocated_bytes) + take;
+    // Compaction: rather than growing while much of the tenant's mapped
+    // memory sits free, move free granules of its idle streams (this one
+    // first) to the cache. No wait: busy streams keep theirs.
+    if (need > CacheBytes()) {
+      const std::size_t live = TenantLive(ss->tenant) + take;
       const std::size_t slack = std::max<std::size_t>(4 * granule_, live / 16);
-      if (Reserved() + need > live + slack) {
+      if (TenantMapped(ss->tenant) + need > live + slack) {
+        const std::size_t want = need - CacheBytes();
+        std::size_t got = 0;
         bool busy = false;
-        UnmapFreeGranules(ss, need - CacheBytes(), /*wait=*/false, nullptr,
-                          &busy, nullptr, lo, hi)
+        UnmapFreeGranules(ss, want, /*wait=*/false, nullptr, &busy, &got, lo,
+                          hi)
             .IgnoreError();
+        for (StreamState* x : TenantStreams(ss->tenant)) {
+          if (got >= want) break;
+          if (x == ss) continue;
+          UnmapFreeGranules(x, want - got, /*wait=*/false, nullptr, &busy, &got)
+              .IgnoreError();
+        }
       }
     }
     absl::Status s = MapRange(seg, lo, take);
@@ -1614,7 +1630,9 @@ class CachingDeviceAllocator::Impl {
     CTXPOOL_RETURN_IF_ERROR(ctx.status());
     if (!pending_.empty()) {
       PollPending();
-      if (Block* b = FindFree(ss, rounded, small)) {
+      Block* b = FindFree(ss, rounded, small);
+      if (b != nullptr &&
+          (!expandable_ || Backed(b, TakeSize(b, rounded, small)))) {
         ++cache_hits_;
         return TakeBlock(b, rounded, requested);
       }
