@@ -20,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "ctxpool/core/json_string.h"
 #include "ctxpool/driver/cuda_driver.h"
 #include "ctxpool/driver/driver.h"
 #include "ctxpool/driver/sim_driver.h"
@@ -180,76 +181,51 @@ void PrintText(const Info& info) {
               absl::StrJoin(info.presets, ", ").c_str());
 }
 
-std::string Json(absl::string_view s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out += absl::StrFormat("\\u%04x", static_cast<int>(c));
-        } else {
-          out += c;
-        }
-    }
-  }
-  out += "\"";
-  return out;
-}
-
-std::string Json(const BackendInfo& backend) {
+std::string BackendJson(const BackendInfo& backend) {
   std::vector<std::string> devices;
   for (const DeviceInfo& d : backend.devices) {
     devices.push_back(absl::StrCat(
-        "{\"index\": ", d.index, ", \"name\": ", Json(d.name),
+        "{\"index\": ", d.index, ", \"name\": ", JsonString(d.name),
         ", \"total_bytes\": ", d.total_bytes, ", \"compute_capability\": \"",
         d.cc_major, ".", d.cc_minor, "\", \"multiprocessors\": ",
         d.multiprocessors, ", \"vmm\": ", d.vmm ? "true" : "false",
-        d.error.empty() ? "" : absl::StrCat(", \"error\": ", Json(d.error)),
+        d.error.empty() ? ""
+                        : absl::StrCat(", \"error\": ", JsonString(d.error)),
         "}"));
   }
-  return absl::StrCat("{\"kind\": ", Json(backend.kind),
-                      ", \"describe\": ", Json(backend.describe),
-                      backend.error.empty()
-                          ? ""
-                          : absl::StrCat(", \"error\": ", Json(backend.error)),
-                      ", \"devices\": [", absl::StrJoin(devices, ", "), "]}");
+  return absl::StrCat(
+      "{\"kind\": ", JsonString(backend.kind),
+      ", \"describe\": ", JsonString(backend.describe),
+      backend.error.empty()
+          ? ""
+          : absl::StrCat(", \"error\": ", JsonString(backend.error)),
+      ", \"devices\": [", absl::StrJoin(devices, ", "), "]}");
 }
 
 void PrintJson(const Info& info) {
   std::string out = absl::StrCat(
-      "{\n  \"version\": ", Json(CTXPOOL_VERSION),
+      "{\n  \"version\": ", JsonString(CTXPOOL_VERSION),
       ",\n  \"cuda_compiled_in\": ", info.cuda_compiled_in ? "true" : "false",
       ",\n  \"driver\": {\"status\": ",
-      Json(absl::StatusCodeToString(info.driver_status.code())),
-      ", \"message\": ", Json(info.driver_status.message()), "}");
+      JsonString(absl::StatusCodeToString(info.driver_status.code())),
+      ", \"message\": ", JsonString(info.driver_status.message()), "}");
   absl::StrAppend(&out, ",\n  \"cuda\": ",
-                  info.cuda.has_value() ? Json(*info.cuda) : "null");
+                  info.cuda.has_value() ? BackendJson(*info.cuda) : "null");
   absl::StrAppend(&out, ",\n  \"gpu_usable\": ",
                   info.fallback_spec.empty() ? "true" : "false");
   if (info.fallback_spec.empty()) {
     absl::StrAppend(&out, ",\n  \"fallback\": null");
   } else {
     absl::StrAppend(
-        &out, ",\n  \"fallback\": {\"spec\": ", Json(info.fallback_spec),
+        &out, ",\n  \"fallback\": {\"spec\": ", JsonString(info.fallback_spec),
         ", \"status\": ",
-        Json(absl::StatusCodeToString(info.fallback_status.code())),
-        ", \"message\": ", Json(info.fallback_status.message()),
-        ", \"driver\": ", info.sim.has_value() ? Json(*info.sim) : "null", "}");
+        JsonString(absl::StatusCodeToString(info.fallback_status.code())),
+        ", \"message\": ", JsonString(info.fallback_status.message()),
+        ", \"driver\": ",
+        info.sim.has_value() ? BackendJson(*info.sim) : "null", "}");
   }
   std::vector<std::string> presets;
-  for (const std::string& p : info.presets) presets.push_back(Json(p));
+  for (const std::string& p : info.presets) presets.push_back(JsonString(p));
   absl::StrAppend(&out, ",\n  \"presets\": [", absl::StrJoin(presets, ", "),
                   "]\n}\n");
   std::fputs(out.c_str(), stdout);

@@ -112,38 +112,6 @@ void AppendDevice(std::string& out, const DeviceContext& dc) {
 
 }  // namespace
 
-std::string JsonString(absl::string_view value) {
-  std::string out = "\"";
-  for (char c : value) {
-    const unsigned char u = static_cast<unsigned char>(c);
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      default:
-        if (u < 0x20) {
-          absl::StrAppendFormat(&out, "\\u%04x", u);
-        } else {
-          out += c;
-        }
-    }
-  }
-  out += "\"";
-  return out;
-}
-
 std::string RenderJsonSnapshot(const DeviceContext& device) {
   std::string out = "{\"devices\":[";
   if (!device.InForkedChild()) AppendDevice(out, device);

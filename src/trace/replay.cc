@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "ctxpool/core/json_string.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "ctxpool/status.h"
 
@@ -294,31 +295,6 @@ void AppendLatencyJson(std::string* out, absl::string_view name,
                         "\"mean_ns\": %.1f, \"total_ns\": %d}",
                         name, l.count, l.p50, l.p99, l.p999, l.max, l.mean,
                         l.total);
-}
-
-std::string JsonString(absl::string_view s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          absl::StrAppendFormat(&out, "\\u%04x", c);
-        } else {
-          out.push_back(c);
-        }
-    }
-  }
-  out.push_back('"');
-  return out;
 }
 
 std::string LatencyLine(absl::string_view name, const LatencyStats& l) {

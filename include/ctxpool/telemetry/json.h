@@ -29,14 +29,12 @@
 #include "absl/strings/string_view.h"
 #include "ctxpool/context/device_context.h"
 #include "ctxpool/context/runtime.h"
+#include "ctxpool/core/json_string.h"  // JsonString, re-exported
 
 namespace ctxpool {
 
 std::string RenderJsonSnapshot(const Runtime& runtime);
 std::string RenderJsonSnapshot(const DeviceContext& device);
-
-// `value` as a JSON string literal, quotes included.
-std::string JsonString(absl::string_view value);
 
 }  // namespace ctxpool
 
