@@ -1244,7 +1244,10 @@ class CachingDeviceAllocator::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Segment*& slot = ss->range[PoolIndex(small)];
     if (slot != nullptr) return slot;
-    const std::size_t size = SizeClasses::RoundUp(device_total_, granule_);
+    // Twice the device's memory: virtual space is cheap, and the slack keeps
+    // address-space fragmentation from failing a request that physical
+    // memory could serve.
+    const std::size_t size = 2 * SizeClasses::RoundUp(device_total_, granule_);
     CTXPOOL_ASSIGN_OR_RETURN(DevicePtr base,
                              driver_.MemAddressReserve(size, granule_));
     auto r = std::make_unique<VmmRange>();
@@ -1552,6 +1555,7 @@ class CachingDeviceAllocator::Impl {
     CTXPOOL_ASSIGN_OR_RETURN(Segment * seg, EnsureRange(ss, small));
     Block* b = FindFree(ss, rounded, small);
     if (b == nullptr) {  // the virtual range is full
+      ++num_alloc_retries_;
       *oom = true;
       return absl::ResourceExhaustedError("virtual range exhausted");
     }

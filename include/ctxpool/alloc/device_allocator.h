@@ -57,7 +57,7 @@
 // around their driver calls (ScopedContext) and restore the caller's.
 //
 // Expandable segments (BackingMode::kExpandable, needs a device with VMM):
-// each (stream, pool) reserves one virtual range the size of the device's
+// each (stream, pool) reserves one virtual range twice the size of the device's
 // memory on its first allocation; its blocks split and coalesce inside the
 // range as in a classic segment, and 2 MiB physical granules (cuMemCreate)
 // are mapped under a block when it is handed out. Trim unmaps every granule
