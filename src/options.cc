@@ -25,7 +25,7 @@ constexpr std::array<OptionSpec, kOptionCount> kOptions = {{
     {OptionId::kDevices, "devices", "CTXPOOL_DEVICES", OptionKind::kString, "",
      "Device ordinals to open, comma separated ('0,2'); empty: all."},
     {OptionId::kBacking, "backing", "CTXPOOL_BACKING", OptionKind::kString,
-     "classic",
+     "auto",
      "How the device allocator gets memory: 'classic' (one cuMemAlloc per "
      "segment), 'expandable' (VMM: 2 MiB granules mapped on demand), or "
      "'auto' (expandable where the device supports VMM)."},
