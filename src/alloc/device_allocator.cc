@@ -1583,7 +1583,7 @@ class CachingDeviceAllocator::Impl {
     // first) to the cache. No wait: busy streams keep theirs.
     if (need > CacheBytes()) {
       const std::size_t live = TenantLive(ss->tenant) + take;
-      const std::size_t slack = std::max<std::size_t>(4 * granule_, live / 16);
+      const std::size_t slack = std::max<std::size_t>(2 * granule_, live / 32);
       if (TenantMapped(ss->tenant) + need > live + slack) {
         const std::size_t want = need - CacheBytes();
         std::size_t got = 0;
