@@ -313,5 +313,20 @@ TEST_F(VmmTest, SteadyStateTargets) {
   for (const auto& [p, s] : live) Free(p);
 }
 
+TEST_F(VmmTest, DriverFailuresLeaveTheBooksConsistent) {
+  sim_->InjectFault(SimCall::kMemMap, 1, /*CUDA_ERROR_INVALID_VALUE=*/1);
+  absl::StatusOr<DevicePtr> p = alloc_->Allocate(4 * kMiB, s1_);
+  EXPECT_FALSE(p.ok());
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, kGranule);  // kept
+  sim_->InjectFault(SimCall::kMemCreate, 1, /*CUDA_ERROR_OUT_OF_MEMORY=*/2);
+  DevicePtr q = Alloc(4 * kMiB, s1_);  // the cached granule, then a retry
+  Free(q);
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  EXPECT_EQ(Reserved(), 0u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease) + 0u,
+            sim_->call_count(SimCall::kMemCreate) - 1u);  // one create failed
+}
+
 }  // namespace
 }  // namespace ctxpool

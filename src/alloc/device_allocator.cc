@@ -1281,14 +1281,12 @@ class CachingDeviceAllocator::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     VmmRange* r = RangeOf(seg);
     PhysicalMemHandle h;
-    bool created = false;
     if (!granule_cache_.empty()) {
       h = granule_cache_.back().handle;
       granule_cache_.pop_back();
     } else {
       CTXPOOL_ASSIGN_OR_RETURN(h, driver_.MemCreate(granule_, device_));
       ++upstream_allocs_;
-      created = true;
     }
     const DevicePtr at(r->base + i * granule_);
     absl::Status s = driver_.MemMap(at, granule_, 0, h);
@@ -1297,11 +1295,8 @@ class CachingDeviceAllocator::Impl {
       if (!s.ok()) driver_.MemUnmap(at, granule_).IgnoreError();
     }
     if (!s.ok()) {
-      if (created) {
-        granule_cache_.push_back({h, Now()});
-      } else {
-        granule_cache_.push_back({h, Now()});
-      }
+      // Keep the granule (new or cached) for the next growth.
+      granule_cache_.push_back({h, Now()});
       return s;
     }
     r->slots[i] = h;

@@ -153,6 +153,8 @@ struct DeviceAllocatorOptions {
   // Free blocks larger than this are never split, and are used only for
   // requests larger than it (PyTorch's max_split_size_mb). Default: no limit.
   std::size_t max_split_size = std::numeric_limits<std::size_t>::max();
+  // DeviceContext picks the backing from CTXPOOL_BACKING (default "auto":
+  // kExpandable where the device supports VMM); a direct user chooses here.
   BackingMode backing = BackingMode::kClassic;
   // The context to make current for driver calls; null means retain the
   // device's primary context (released at destruction).
