@@ -24,9 +24,12 @@
 #define CTXPOOL_TORCH_PLUGIN_PATH ""  // the plugin is not built: skip
 #endif
 
-namespace {
-
+// The plugin's stream type, declared exactly as plugins/torch/ctxpool_torch.h
+// does (at global scope): a function pointer type that differs from the
+// exported function's is undefined behaviour (UBSan's -fsanitize=function).
 typedef struct CUstream_st* cudaStream_t;
+
+namespace {
 
 constexpr std::size_t kGiB = std::size_t{1} << 30;
 
