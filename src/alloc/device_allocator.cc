@@ -69,6 +69,7 @@
 #include "ctxpool/core/block.h"
 #include "ctxpool/core/fragmentation.h"
 #include "ctxpool/core/free_index.h"
+#include "ctxpool/core/internal/spin_lock.h"
 #include "ctxpool/core/segment.h"
 #include "ctxpool/core/size_classes.h"
 #include "ctxpool/core/stats.h"
@@ -223,7 +224,7 @@ class CachingDeviceAllocator::Impl {
 
   ~Impl() {
     Reset(/*force=*/true).IgnoreError();
-    absl::MutexLock lock(&mu_);
+    core_internal::SpinLockHolder lock(&mu_);
     {
       ScopedContext ctx(driver_, ctx_);
       if (ctx.status().ok()) {
@@ -245,7 +246,7 @@ class CachingDeviceAllocator::Impl {
   absl::StatusOr<DevicePtr> Allocate(std::size_t bytes, StreamHandle stream)
       ABSL_LOCKS_EXCLUDED(mu_) {
     if (ABSL_PREDICT_FALSE(bytes > device_total_)) {
-      absl::MutexLock lock(&mu_);
+      core_internal::SpinLockHolder lock(&mu_);
       ++invalid_requests_;
       return absl::InvalidArgumentError(absl::StrFormat(
           "Allocate(%d bytes): larger than device %d's total memory (%d "
@@ -256,7 +257,7 @@ class CachingDeviceAllocator::Impl {
     const bool small = classes_.IsSmall(rounded);
     OomReport report;
     {
-      absl::MutexLock lock(&mu_);
+      core_internal::SpinLockHolder lock(&mu_);
       StreamState* ss = GetStream(stream.value());
       if (Block* b = FindFree(ss, rounded, small)) {  // the cached hot path
         if (!expandable_ || Backed(b, TakeSize(b, rounded, small))) {
@@ -270,7 +271,7 @@ class CachingDeviceAllocator::Impl {
       if (!oom) return Traced(p, bytes, ss);
     }
     if (options_.on_oom && options_.on_oom(report)) {
-      absl::MutexLock lock(&mu_);
+      core_internal::SpinLockHolder lock(&mu_);
       StreamState* ss = GetStream(stream.value());
       if (Block* b = FindFree(ss, rounded, small)) {
         if (!expandable_ || Backed(b, TakeSize(b, rounded, small))) {
@@ -283,7 +284,7 @@ class CachingDeviceAllocator::Impl {
           AllocateSlow(ss, rounded, bytes, small, &report, &oom);
       if (!oom) return Traced(p, bytes, ss);
     }
-    absl::MutexLock lock(&mu_);
+    core_internal::SpinLockHolder lock(&mu_);
     ++num_ooms_;
     StreamState* ss = GetStream(stream.value());
     ++tenants_[ss->tenant]->ooms;
@@ -294,7 +295,7 @@ class CachingDeviceAllocator::Impl {
   }
 
   absl::Status Deallocate(DevicePtr ptr) ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    core_internal::SpinLockHolder lock(&mu_);
     auto it = live_.find(ptr.address());
     if (ABSL_PREDICT_FALSE(it == live_.end())) {
       ++invalid_frees_;
@@ -326,7 +327,7 @@ class CachingDeviceAllocator::Impl {
 
   absl::Status RecordStream(DevicePtr ptr, StreamHandle stream)
       ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    core_internal::SpinLockHolder lock(&mu_);
     auto it = live_.find(ptr.address());
     if (it == live_.end()) {
       ++invalid_requests_;
@@ -346,7 +347,7 @@ class CachingDeviceAllocator::Impl {
 
   absl::StatusOr<TrimResult> Trim(std::size_t keep_bytes)
       ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    core_internal::SpinLockHolder lock(&mu_);
     ScopedContext ctx(driver_, ctx_);
     CTXPOOL_RETURN_IF_ERROR(ctx.status());
     ++num_trims_;
@@ -382,7 +383,7 @@ class CachingDeviceAllocator::Impl {
   }
 
   absl::StatusOr<TrimResult> TrimIdle() ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    core_internal::SpinLockHolder lock(&mu_);
     TrimResult result;
     if (!expandable_) {
       result.remaining_bytes = Reserved();
@@ -415,7 +416,7 @@ class CachingDeviceAllocator::Impl {
   absl::StatusOr<TenantId> RegisterTenant(absl::string_view name, Budget budget)
       ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(ValidateBudget(budget));
-    absl::MutexLock lock(&mu_);
+    core_internal::SpinLockHolder lock(&mu_);
     if (name.empty()) {
       return absl::InvalidArgumentError("RegisterTenant: empty name");
     }
@@ -434,7 +435,7 @@ class CachingDeviceAllocator::Impl {
 
   absl::Status BindStream(StreamHandle stream, TenantId tenant)
       ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    core_internal::SpinLockHolder lock(&mu_);
     if (tenant >= tenants_.size()) {
       return absl::InvalidArgumentError(
           absl::StrFormat("BindStream: unknown tenant %d", tenant));
@@ -450,7 +451,7 @@ class CachingDeviceAllocator::Impl {
   absl::StatusOr<TrimResult> SetBudget(TenantId tenant, Budget budget)
       ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(ValidateBudget(budget));
-    absl::MutexLock lock(&mu_);
+    core_internal::SpinLockHolder lock(&mu_);
     if (tenant >= tenants_.size()) {
       return absl::InvalidArgumentError(
           absl::StrFormat("SetBudget: unknown tenant %d", tenant));
@@ -488,7 +489,7 @@ class CachingDeviceAllocator::Impl {
 
   absl::StatusOr<TenantStats> GetTenantStats(TenantId tenant) const
       ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    core_internal::SpinLockHolder lock(&mu_);
     if (tenant >= tenants_.size()) {
       return absl::NotFoundError(absl::StrFormat("unknown tenant %d", tenant));
     }
@@ -511,7 +512,7 @@ class CachingDeviceAllocator::Impl {
   }
 
   absl::Status Reset(bool force) ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    core_internal::SpinLockHolder lock(&mu_);
     if (!live_.empty() && !force) {
       std::vector<const Block*> blocks;
       for (const auto& [address, b] : live_) blocks.push_back(b);
@@ -574,7 +575,7 @@ class CachingDeviceAllocator::Impl {
   // ---- Introspection -------------------------------------------------------
 
   DeviceAllocatorStats Stats() const ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    core_internal::SpinLockHolder lock(&mu_);
     DeviceAllocatorStats s;
     s.total = total_;
     s.per_stream.reserve(streams_.size());
@@ -601,7 +602,7 @@ class CachingDeviceAllocator::Impl {
   }
 
   FragmentationStats Fragmentation() const ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    core_internal::SpinLockHolder lock(&mu_);
     FragmentationInputs in;
     for (const auto& [stream, ss] : streams_) {
       for (const FreeIndex<Block>& index : ss->free) {
@@ -621,7 +622,7 @@ class CachingDeviceAllocator::Impl {
   }
 
   AllocatorSnapshot Snapshot() const ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    core_internal::SpinLockHolder lock(&mu_);
     AllocatorSnapshot snap;
     snap.segments.reserve(segments_.size());
     for (const auto& [base, seg] : segments_) {
@@ -640,7 +641,7 @@ class CachingDeviceAllocator::Impl {
 
   absl::StatusOr<BlockInfo> Lookup(DevicePtr ptr) const
       ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    core_internal::SpinLockHolder lock(&mu_);
     auto it = live_.find(ptr.address());
     if (it == live_.end()) {
       return absl::NotFoundError(absl::StrFormat(
@@ -650,7 +651,7 @@ class CachingDeviceAllocator::Impl {
   }
 
   void ResetPeakStats() ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    core_internal::SpinLockHolder lock(&mu_);
     total_.ResetPeaks();
     for (auto& [stream, ss] : streams_) ss->stats.ResetPeaks();
   }
@@ -1737,7 +1738,7 @@ class CachingDeviceAllocator::Impl {
   const std::unique_ptr<SegmentBacking> backing_;
   TraceRecorder recorder_;
 
-  mutable absl::Mutex mu_;
+  mutable core_internal::SpinLock mu_;
   BlockPool blocks_ ABSL_GUARDED_BY(mu_);
   absl::btree_map<std::uint64_t, std::unique_ptr<Segment>> segments_
       ABSL_GUARDED_BY(mu_);
@@ -1805,7 +1806,7 @@ absl::Status CompareStats(const PoolStats& want, const PoolStats& got,
 }  // namespace
 
 absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
-  absl::MutexLock lock(&mu_);
+  core_internal::SpinLockHolder lock(&mu_);
   PoolStats total;
   absl::flat_hash_map<std::uint64_t, PoolStats> per_stream;
   std::size_t free_blocks = 0;
