@@ -196,6 +196,69 @@ TEST_P(TenantTest, LoweringMaxTrimsWhatItCanAndReportsTheRest) {
   Free(live);
 }
 
+TEST_P(TenantTest, UnbindMovesWhatTheStreamHoldsToTheDefaultTenant) {
+  TenantId a = Register("a", Budget{});
+  EXPECT_EQ(alloc_->UnbindStream(a1_).code(),
+            absl::StatusCode::kInvalidArgument);  // never bound
+  ASSERT_TRUE(alloc_->BindStream(a1_, a).ok());
+  DevicePtr p = Alloc(1 * kMiB, a1_);
+  DevicePtr q = Alloc(1 * kMiB, a1_);
+  Free(p);
+  const TenantStats held = Stats(a);
+  EXPECT_EQ(held.live_bytes, 1 * kMiB);
+  EXPECT_GT(held.mapped_bytes, held.live_bytes);
+  const TenantStats def = Stats(kDefaultTenant);
+  ASSERT_TRUE(alloc_->UnbindStream(a1_).ok());
+  EXPECT_EQ(Stats(a).num_streams, 0);
+  EXPECT_EQ(Stats(a).mapped_bytes, 0u);
+  EXPECT_EQ(Stats(a).live_bytes, 0u);
+  EXPECT_EQ(Stats(kDefaultTenant).mapped_bytes,
+            def.mapped_bytes + held.mapped_bytes);
+  EXPECT_EQ(Stats(kDefaultTenant).live_bytes, def.live_bytes + 1 * kMiB);
+  EXPECT_EQ(alloc_->UnbindStream(a1_).code(),
+            absl::StatusCode::kInvalidArgument);  // not bound any more
+  // The stream can serve another tenant, with what it holds.
+  TenantId b = Register("b", Budget{});
+  ASSERT_TRUE(alloc_->BindStream(a1_, b).ok());
+  EXPECT_EQ(Stats(b).mapped_bytes, held.mapped_bytes);
+  Free(q);
+  ASSERT_TRUE(alloc_->UnbindStream(a1_).ok());
+  // "default" names the default tenant but is not reserved.
+  EXPECT_TRUE(alloc_->RegisterTenant("default", Budget{}).ok());
+}
+
+TEST_P(TenantTest, UnregisterFreesTheNameAndNeedsNoBoundStream) {
+  TenantId a = Register("a", Budget{.max = 8 * kMiB});
+  EXPECT_EQ(alloc_->UnregisterTenant(kDefaultTenant).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(alloc_->UnregisterTenant(99).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(alloc_->BindStream(a1_, a).ok());
+  EXPECT_EQ(alloc_->UnregisterTenant(a).code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(alloc_->UnbindStream(a1_).ok());
+  ASSERT_TRUE(alloc_->UnregisterTenant(a).ok());
+  EXPECT_EQ(alloc_->UnregisterTenant(a).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(alloc_->GetTenantStats(a).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(alloc_->BindStream(a1_, a).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(alloc_->SetBudget(a, Budget{}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // The name is free again, with a fresh budget and fresh counters.
+  TenantId again = Register("a", Budget{.min = 1 * kMiB});
+  TenantStats st = Stats(again);
+  EXPECT_EQ(st.name, "a");
+  EXPECT_EQ(st.budget.min, 1 * kMiB);
+  EXPECT_EQ(st.budget.max, kNoLimit);
+  EXPECT_EQ(st.num_ooms, 0);
+  EXPECT_EQ(st.peak_mapped_bytes, 0u);
+  ASSERT_TRUE(alloc_->BindStream(a1_, again).ok());
+  Free(Alloc(1 * kMiB, a1_));
+  EXPECT_GT(Stats(again).mapped_bytes, 0u);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backings, TenantTest,
                          ::testing::Values(BackingMode::kClassic,
                                            BackingMode::kExpandable),

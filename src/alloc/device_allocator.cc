@@ -124,6 +124,9 @@ struct Tenant {
   std::size_t reclaimed_by = 0;
   std::int64_t ooms = 0;
   bool bound_any = false;
+  // False once unregistered: the slot (and its id) may be reused by a later
+  // RegisterTenant.
+  bool registered = true;
 };
 
 // One event a pending-free block waits for.
@@ -420,8 +423,11 @@ class CachingDeviceAllocator::Impl {
     if (name.empty()) {
       return absl::InvalidArgumentError("RegisterTenant: empty name");
     }
-    for (const auto& t : tenants_) {
-      if (t->name == name) {
+    // The default tenant's name ("default") is not reserved: a model may be
+    // called that.
+    for (std::size_t i = 1; i < tenants_.size(); ++i) {
+      const auto& t = tenants_[i];
+      if (t->registered && t->name == name) {
         return absl::InvalidArgumentError(
             absl::StrCat("RegisterTenant: '", name, "' is registered"));
       }
@@ -429,14 +435,59 @@ class CachingDeviceAllocator::Impl {
     auto t = std::make_unique<Tenant>();
     t->name = std::string(name);
     t->budget = budget;
+    // Reuse the slot of an unregistered tenant (never the default's), so
+    // that the per-tenant loops stay O(live tenants) on a server that opens
+    // and closes sessions forever.
+    for (std::size_t i = 1; i < tenants_.size(); ++i) {
+      if (!tenants_[i]->registered) {
+        tenants_[i] = std::move(t);
+        return static_cast<TenantId>(i);
+      }
+    }
     tenants_.push_back(std::move(t));
     return static_cast<TenantId>(tenants_.size() - 1);
+  }
+
+  bool KnownTenant(TenantId tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return tenant < tenants_.size() && tenants_[tenant]->registered;
+  }
+
+  absl::Status UnregisterTenant(TenantId tenant) ABSL_LOCKS_EXCLUDED(mu_) {
+    core_internal::SpinLockHolder lock(&mu_);
+    if (tenant == kDefaultTenant || !KnownTenant(tenant)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "UnregisterTenant: unknown or default tenant %d", tenant));
+    }
+    for (const auto& [stream, ss] : streams_) {
+      if (ss->tenant == tenant) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "UnregisterTenant: tenant '%s' still has stream 0x%x bound",
+            tenants_[tenant]->name, stream));
+      }
+    }
+    tenants_[tenant]->registered = false;
+    return absl::OkStatus();
+  }
+
+  absl::Status UnbindStream(StreamHandle stream) ABSL_LOCKS_EXCLUDED(mu_) {
+    core_internal::SpinLockHolder lock(&mu_);
+    if (!bound_.contains(stream.value())) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "UnbindStream: stream 0x%x is not bound", stream.value()));
+    }
+    StreamState* ss = GetStream(stream.value());
+    // What the stream holds (live blocks, e.g. a slab another component
+    // keeps on it, and cached memory) now counts against the default tenant.
+    NotePeak(ss->tenant);
+    ss->tenant = kDefaultTenant;
+    bound_.erase(stream.value());
+    return absl::OkStatus();
   }
 
   absl::Status BindStream(StreamHandle stream, TenantId tenant)
       ABSL_LOCKS_EXCLUDED(mu_) {
     core_internal::SpinLockHolder lock(&mu_);
-    if (tenant >= tenants_.size()) {
+    if (!KnownTenant(tenant)) {
       return absl::InvalidArgumentError(
           absl::StrFormat("BindStream: unknown tenant %d", tenant));
     }
@@ -452,7 +503,7 @@ class CachingDeviceAllocator::Impl {
       ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(ValidateBudget(budget));
     core_internal::SpinLockHolder lock(&mu_);
-    if (tenant >= tenants_.size()) {
+    if (!KnownTenant(tenant)) {
       return absl::InvalidArgumentError(
           absl::StrFormat("SetBudget: unknown tenant %d", tenant));
     }
@@ -490,7 +541,7 @@ class CachingDeviceAllocator::Impl {
   absl::StatusOr<TenantStats> GetTenantStats(TenantId tenant) const
       ABSL_LOCKS_EXCLUDED(mu_) {
     core_internal::SpinLockHolder lock(&mu_);
-    if (tenant >= tenants_.size()) {
+    if (!KnownTenant(tenant)) {
       return absl::NotFoundError(absl::StrFormat("unknown tenant %d", tenant));
     }
     const Tenant& t = *tenants_[tenant];
@@ -2060,6 +2111,12 @@ absl::StatusOr<TenantId> CachingDeviceAllocator::RegisterTenant(
 absl::Status CachingDeviceAllocator::BindStream(StreamHandle stream,
                                                 TenantId tenant) {
   return impl_->BindStream(stream, tenant);
+}
+absl::Status CachingDeviceAllocator::UnbindStream(StreamHandle stream) {
+  return impl_->UnbindStream(stream);
+}
+absl::Status CachingDeviceAllocator::UnregisterTenant(TenantId tenant) {
+  return impl_->UnregisterTenant(tenant);
 }
 absl::StatusOr<TrimResult> CachingDeviceAllocator::SetBudget(TenantId tenant,
                                                              Budget budget) {

@@ -304,7 +304,8 @@ class CachingDeviceAllocator {
   absl::StatusOr<TrimResult> TrimIdle();
 
   // ---- Tenants -------------------------------------------------------------
-  // Registers a tenant. INVALID_ARGUMENT for an empty or taken name or
+  // Registers a tenant. INVALID_ARGUMENT for an empty name, the name of a
+  // registered tenant (the default tenant's "default" is not reserved) or
   // budget.min > budget.max.
   absl::StatusOr<TenantId> RegisterTenant(absl::string_view name,
                                           Budget budget);
@@ -312,6 +313,19 @@ class CachingDeviceAllocator {
   // `tenant`. INVALID_ARGUMENT for an unknown tenant or a stream bound
   // before.
   absl::Status BindStream(StreamHandle stream, TenantId tenant);
+  // Returns `stream` to the default tenant with everything it holds, so a
+  // pooled stream can serve the next tenant: its cached memory and any block
+  // still live on it (the caller frees the tenant's own blocks first; what
+  // remains, e.g. a slab another component keeps on the stream, is charged
+  // to the default tenant from then on, as BindStream charges what a stream
+  // holds). INVALID_ARGUMENT for a stream that is not bound. Thread-safe; no
+  // driver call, no stream-order effect.
+  absl::Status UnbindStream(StreamHandle stream);
+  // Forgets `tenant`: its name may be registered again and its id may be
+  // returned by a later RegisterTenant (so a stale id must not be used).
+  // INVALID_ARGUMENT for the default or an unknown tenant;
+  // FAILED_PRECONDITION while a stream is bound to it (UnbindStream first).
+  absl::Status UnregisterTenant(TenantId tenant);
   // Changes a budget at run time. When max drops below the tenant's mapped
   // bytes, unmaps its free granules (waiting for its streams' queued work,
   // counted in event_waits) and reports what remains in remaining_bytes;
