@@ -32,6 +32,27 @@ class ModelSessionTest : public ::testing::Test {
     o.stream_pool_reserve = 0;
     dc_ = std::move(DeviceContext::Create(*sim_, 0, o)).value();
   }
+  // A small device (no context overhead) whose allocator maps granules
+  // (kExpandable), so that tenants reclaim from each other under pressure.
+  void InitExpandable(std::size_t capacity) {
+    sessions_.clear();
+    dc_.reset();
+    SimDeviceSpec spec;
+    spec.capacity_bytes = capacity;
+    spec.context_overhead_bytes = 0;
+    sim_ = SimDriver::Create({.devices = {spec}});
+    DeviceContextOptions o;
+    o.use_option_table = false;
+    o.stream_pool_reserve = 0;
+    o.allocator.backing = BackingMode::kExpandable;
+    dc_ = std::move(DeviceContext::Create(*sim_, 0, o)).value();
+  }
+  TenantStats Tenant(const ModelSession& s) const {
+    absl::StatusOr<TenantStats> t =
+        dc_->device_allocator().GetTenantStats(s.tenant());
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t.ok() ? *t : TenantStats();
+  }
   void TearDown() override {
     sessions_.clear();
     if (dc_ != nullptr) {
@@ -336,6 +357,72 @@ TEST_F(ModelSessionTest, MappedAndCachedBytesCoverTheSessionsStreams) {
   SessionStats after = a.Stats();
   EXPECT_EQ(after.cached_bytes, after.mapped_bytes);
   EXPECT_EQ(b.Stats().mapped_bytes, 0u);
+}
+
+TEST_F(ModelSessionTest, TheBudgetIsTheModelsTenantInTheAllocator) {
+  constexpr std::size_t kMiB = 1 << 20;
+  ModelSession& bert = Open("bert", {.streams = 2,
+                                     .min_bytes = 4 * kMiB,
+                                     .high_bytes = 32 * kMiB,
+                                     .max_bytes = 64 * kMiB});
+  ModelSession& t5 = Open("t5");
+  TenantStats b = Tenant(bert);
+  EXPECT_EQ(b.name, "bert");
+  EXPECT_EQ(b.budget.min, 4 * kMiB);
+  EXPECT_EQ(b.budget.high, 32 * kMiB);
+  EXPECT_EQ(b.budget.max, kNoLimit);  // the session enforces max (live)
+  EXPECT_EQ(b.num_streams, 2);
+  TenantStats t = Tenant(t5);
+  EXPECT_EQ(t.budget.min, 0u);
+  EXPECT_EQ(t.budget.high, kNoLimit);
+  EXPECT_EQ(t.budget.max, kNoLimit);
+  EXPECT_NE(bert.tenant(), t5.tenant());
+  auto p = bert.Allocate(3 * kMiB, bert.stream(1));
+  ASSERT_TRUE(p.ok()) << p.status();
+  b = Tenant(bert);
+  EXPECT_EQ(b.live_bytes, 3 * kMiB);
+  EXPECT_EQ(b.mapped_bytes, bert.Stats().mapped_bytes);
+  EXPECT_EQ(Tenant(t5).mapped_bytes, 0u);
+  ASSERT_TRUE(bert.Deallocate(*p).ok());
+  // Close gives the streams back to the default tenant and frees the name:
+  // the next session of the model registers again.
+  const TenantId old = bert.tenant();
+  ASSERT_TRUE(bert.Close().ok());
+  EXPECT_EQ(dc_->device_allocator().GetTenantStats(old).status().code(),
+            absl::StatusCode::kNotFound);
+  ModelSession& again = Open("bert", {.streams = 2});
+  EXPECT_EQ(Tenant(again).num_streams, 2);
+  EXPECT_EQ(Tenant(again).budget.min, 0u);
+}
+
+TEST_F(ModelSessionTest, MinProtectsASessionFromReclaimByAnother) {
+  constexpr std::size_t kMiB = 1 << 20;
+  InitExpandable(64 * kMiB);
+  ModelSession& a = Open("a", {.min_bytes = 16 * kMiB});
+  ModelSession& b = Open("b");
+  auto big = a.Allocate(48 * kMiB, a.stream(0));
+  ASSERT_TRUE(big.ok()) << big.status();
+  ASSERT_TRUE(a.Deallocate(*big).ok());  // a keeps its granules mapped
+  EXPECT_GE(Tenant(a).mapped_bytes, 48 * kMiB);
+  // b needs more than the device has free: a's free granules move to b,
+  // but a keeps at least its min.
+  auto p = b.Allocate(40 * kMiB, b.stream(0));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_GE(Tenant(a).mapped_bytes, 16 * kMiB);
+  EXPECT_GT(Tenant(a).reclaimed_from_bytes, 0u);
+  EXPECT_EQ(Tenant(b).reclaimed_by_bytes, Tenant(a).reclaimed_from_bytes);
+  ASSERT_TRUE(b.Deallocate(*p).ok());
+  // Taking more would need a's min: b fails, naming its model.
+  auto q = b.Allocate(56 * kMiB, b.stream(0));
+  ASSERT_EQ(q.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(q.status().message().find("'b'"), std::string::npos) << q.status();
+  EXPECT_GE(Tenant(a).mapped_bytes, 16 * kMiB);
+  EXPECT_EQ(b.Stats().num_ooms, 1);
+  EXPECT_EQ(Tenant(a).num_ooms, 0);
+  // a gets its protected memory at once.
+  auto mine = a.Allocate(16 * kMiB, a.stream(0));
+  EXPECT_TRUE(mine.ok()) << mine.status();
+  if (mine.ok()) EXPECT_TRUE(a.Deallocate(*mine).ok());
 }
 
 TEST_F(ModelSessionTest, ConcurrentSessionsAndThreads) {

@@ -264,8 +264,37 @@ absl::StatusOr<std::unique_ptr<ModelSession>> DeviceContext::OpenSession(
   }
   CTXPOOL_ASSIGN_OR_RETURN(std::vector<StreamHandle> leased,
                            LeaseStreams(streams, options.priority));
-  std::unique_ptr<ModelSession> session(
-      new ModelSession(this, std::string(name), std::move(leased), budget));
+  // The model is a tenant of the allocator with the session's min and high;
+  // its max stays with the session (live bytes; see model_session.h). The
+  // name is unique among tenants, so a concurrent OpenSession of the same
+  // model fails here.
+  CachingDeviceAllocator& alloc = device_allocator();
+  absl::StatusOr<TenantId> tenant = alloc.RegisterTenant(
+      name, ctxpool::Budget{
+                .min = budget.min_bytes,
+                .high = budget.high_bytes == 0 ? kNoLimit : budget.high_bytes,
+                .max = kNoLimit});
+  absl::Status bound = tenant.status();
+  std::size_t num_bound = 0;
+  for (; bound.ok() && num_bound < leased.size(); ++num_bound) {
+    bound = alloc.BindStream(leased[num_bound], *tenant);
+  }
+  if (!bound.ok()) {
+    for (std::size_t i = 0; i + 1 < num_bound; ++i) {
+      alloc.UnbindStream(leased[i]).IgnoreError();
+    }
+    if (tenant.ok()) alloc.UnregisterTenant(*tenant).IgnoreError();
+    ReturnStreams(leased);
+    {
+      absl::MutexLock lock(&mu_);
+      if (name_taken()) return duplicate();
+    }
+    return absl::Status(bound.code(),
+                        absl::StrCat("DeviceContext::OpenSession('", name,
+                                     "'): ", bound.message()));
+  }
+  std::unique_ptr<ModelSession> session(new ModelSession(
+      this, std::string(name), std::move(leased), budget, *tenant));
   bool lost_race = false;
   {
     absl::MutexLock lock(&mu_);
@@ -279,6 +308,10 @@ absl::StatusOr<std::unique_ptr<ModelSession>> DeviceContext::OpenSession(
   }
   if (lost_race) {
     // Another OpenSession of the same name registered first.
+    for (StreamHandle s : session->streams()) {
+      alloc.UnbindStream(s).IgnoreError();
+    }
+    alloc.UnregisterTenant(session->tenant()).IgnoreError();
     ReturnStreams(std::vector<StreamHandle>(session->streams().begin(),
                                             session->streams().end()));
     absl::MutexLock session_lock(&session->mu_);

@@ -59,12 +59,14 @@ absl::Status SessionDeviceAllocator::RecordStream(DevicePtr ptr,
 // ---- ModelSession -----------------------------------------------------------
 
 ModelSession::ModelSession(DeviceContext* device, std::string name,
-                           std::vector<StreamHandle> streams, Budget budget)
+                           std::vector<StreamHandle> streams, Budget budget,
+                           TenantId tenant)
     : device_(device),
       allocator_(device->device_allocator()),
       name_(std::move(name)),
       streams_(std::move(streams)),
       budget_(budget),
+      tenant_(tenant),
       round_bytes_(std::max<std::size_t>(
           1, device->device_allocator().options().round_bytes)) {
   absl::MutexLock lock(&mu_);
@@ -119,9 +121,9 @@ absl::StatusOr<DevicePtr> ModelSession::Allocate(std::size_t bytes,
   } else if (bytes > 0) {
     charge = (bytes + round_bytes_ - 1) / round_bytes_ * round_bytes_;
   }
-  // Seam for per-tenant budgets (issue 4): once the allocator has tenants,
-  // this check moves into it (RegisterTenant at open, BindStream per leased
-  // stream) and its RESOURCE_EXHAUSTED is returned as is.
+  // The max is checked here on live bytes, not by the allocator's tenant
+  // (which counts the mapped or reserved bytes of the model's streams; see
+  // the header). The tenant's errors are passed through with the model name.
   if (budget_.max_bytes != 0 &&
       (charge > budget_.max_bytes ||
        stats_.live_bytes > budget_.max_bytes - charge)) {
@@ -321,13 +323,24 @@ absl::Status ModelSession::CloseImpl(bool from_destructor) {
     stats_.live_allocations = 0;
     stats_.closed = true;
   }
+  // The memory is back in the allocator: give the streams back to the
+  // default tenant (with what they cache) and forget the model's tenant, so
+  // that the pooled streams and the name can serve the next session.
+  absl::Status untenant;
+  for (StreamHandle s : streams_) {
+    absl::Status u = allocator_.UnbindStream(s);
+    if (untenant.ok() && !u.ok()) untenant = u;
+  }
+  if (untenant.ok()) untenant = allocator_.UnregisterTenant(tenant_);
   device_->ReturnEvents(events);
   device_->ReturnStreams(streams_);
   device_->OnSessionClosed(this, from_destructor,
                            static_cast<std::int64_t>(leaks.size()),
                            leaked_bytes);
 
-  if (leaks.empty() && sync.ok() && reclaim.ok()) return absl::OkStatus();
+  if (leaks.empty() && sync.ok() && reclaim.ok() && untenant.ok()) {
+    return absl::OkStatus();
+  }
   std::string msg = absl::StrCat("model '", name_, "' session closed");
   if (!leaks.empty()) {
     absl::StrAppend(&msg, " with ", leaks.size(), " leaked allocation(s), ",
@@ -346,6 +359,10 @@ absl::Status ModelSession::CloseImpl(bool from_destructor) {
   }
   if (!reclaim.ok()) {
     absl::StrAppend(&msg, "\n  reclaiming failed: ", reclaim.message());
+  }
+  if (!untenant.ok()) {
+    absl::StrAppend(&msg, "\n  releasing the allocator tenant failed: ",
+                    untenant.message());
   }
   if (leaks.empty() && !sync.ok()) return ForModel(name_, sync);
   return absl::FailedPreconditionError(msg);
@@ -378,20 +395,12 @@ SessionStats ModelSession::Stats() const {
     s.idle_events = static_cast<int>(idle_events_.size());
   }
   if (s.closed || fork_guard_.InForkedChild()) return s;
-  // The allocator's memory on this session's streams (leased exclusively).
-  // Seam for issue 4: read the tenant's own stats from the allocator.
-  const DeviceAllocatorStats a = allocator_.Stats();
-  std::size_t allocated = 0;
-  for (const auto& [stream, pool] : a.per_stream) {
-    if (std::find(streams_.begin(), streams_.end(), stream) == streams_.end()) {
-      continue;
-    }
-    s.mapped_bytes += static_cast<std::size_t>(
-        pool.reserved_bytes[static_cast<int>(StatPool::kAggregate)].current);
-    allocated += static_cast<std::size_t>(
-        pool.allocated_bytes[static_cast<int>(StatPool::kAggregate)].current);
+  // The allocator's memory on this session's streams: its tenant's.
+  absl::StatusOr<TenantStats> tenant = allocator_.GetTenantStats(tenant_);
+  if (tenant.ok()) {
+    s.mapped_bytes = tenant->mapped_bytes;
+    s.cached_bytes = tenant->cached_bytes;
   }
-  s.cached_bytes = s.mapped_bytes > allocated ? s.mapped_bytes - allocated : 0;
   const AllocatorSnapshot snap = allocator_.Snapshot();
   std::size_t free_total = 0;
   std::size_t largest = 0;

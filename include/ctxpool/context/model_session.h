@@ -19,11 +19,22 @@
 //   bert->Deallocate(act);                 // stream-ordered, no sync
 //   absl::Status leaks = bert->Close();    // OK, or lists what is still live
 //
-// Budget: a session's `max_bytes` is hard. An allocation that would take the
-// model's live bytes (each request rounded up to the allocator's 512 B unit)
-// above it fails with RESOURCE_EXHAUSTED naming the model; other models are
-// unaffected. `min_bytes` and `high_bytes` are recorded for the allocator's
-// per-tenant reclaim policy.
+// Budget: the session registers the model as a tenant of the device
+// allocator (the tenant's name is the model's; see
+// ctxpool/alloc/device_allocator.h) with `min_bytes` and `high_bytes` (unset:
+// 0 and no limit) and binds its leased streams to it, so that the allocator
+// protects `min_bytes` of the model's memory from reclaim by other models and
+// returns its free granules above `high_bytes`; GetTenantStats(tenant())
+// shows them. `max_bytes` is hard and is enforced by the session on LIVE
+// bytes: an allocation that would take the model's live bytes (each request
+// rounded up to the allocator's 512 B unit) above it fails with
+// RESOURCE_EXHAUSTED naming the model; other models are unaffected. It is not
+// the tenant's max, because the allocator's tenant max counts physical bytes
+// the model's streams hold (mapped 2 MiB granules in expandable mode,
+// reserved segments in classic mode, both including free cached memory), so
+// a max below one granule or segment could not be met at all; the tenant is
+// registered with no max. Allocator errors (device out of memory) are passed
+// through with the model's name.
 //
 // Lifetime: the DeviceContext must outlive its sessions. Destroying a session
 // that was not closed closes it (and counts its leaks in the device's
@@ -49,13 +60,13 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/context/fork_guard.h"
 #include "ctxpool/driver/types.h"
 
 namespace ctxpool {
 
 class DeviceContext;
-class CachingDeviceAllocator;
 
 // Stream priority in the device's pool. kHigh is the driver's greatest
 // priority, kLow its least (the default for new streams).
@@ -149,6 +160,9 @@ class ModelSession {
   ModelSession& operator=(const ModelSession&) = delete;
 
   const std::string& name() const { return name_; }
+  // The model's tenant in device().device_allocator(), registered under
+  // name() from OpenSession until Close (then the id may be reused).
+  TenantId tenant() const { return tenant_; }
   DeviceContext& device() const { return *device_; }
   int device_ordinal() const;
 
@@ -196,7 +210,8 @@ class ModelSession {
   absl::Status Warmup(const WarmupPlan& plan);
 
   // Synchronises the session's streams, reports every live allocation as a
-  // leak, frees them, destroys nothing but returns the streams and events to
+  // leak, frees them, unbinds the streams from the model's tenant and
+  // unregisters it, destroys nothing but returns the streams and events to
   // the device's pools. OK when nothing leaked; FAILED_PRECONDITION listing
   // each leak (size, label, address, stream, age) otherwise — the memory is
   // reclaimed either way. A second Close returns FAILED_PRECONDITION.
@@ -215,7 +230,8 @@ class ModelSession {
     std::size_t max_bytes = 0;
   };
   ModelSession(DeviceContext* device, std::string name,
-               std::vector<StreamHandle> streams, Budget budget);
+               std::vector<StreamHandle> streams, Budget budget,
+               TenantId tenant);
 
   absl::Status CheckUsable(absl::string_view call) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -229,6 +245,7 @@ class ModelSession {
   const std::string name_;
   const std::vector<StreamHandle> streams_;
   const Budget budget_;
+  const TenantId tenant_;
   const std::size_t round_bytes_;
   const ForkGuard fork_guard_;
 
