@@ -415,6 +415,39 @@ TEST(SvgTest, LimitsRowsAndSaysHowManyWereLeftOut) {
   EXPECT_TRUE((*root)->ByClass("plot").empty());
 }
 
+// An expandable segment is a stream's whole virtual range (here 160 GiB);
+// the map draws what is mapped and used, not the virtual space, so a 1 GiB
+// block is not a sliver on a 160 GiB axis.
+TEST(SvgTest, ExpandableRangesAreDrawnToTheirMappedExtent) {
+  constexpr std::size_t kGiBytes = std::size_t{1} << 30;
+  SegmentInfo seg;
+  seg.base = DevicePtr(std::uint64_t{1} << 44);
+  seg.size = 160 * kGiBytes;
+  seg.expandable = true;
+  seg.mapped_bytes = kGiBytes + (2 << 20);
+  BlockInfo used{.ptr = seg.base,
+                 .size = kGiBytes,
+                 .requested_bytes = kGiBytes,
+                 .state = BlockState::kAllocated,
+                 .mapped_bytes = kGiBytes};
+  BlockInfo rest{.ptr = seg.base + kGiBytes,
+                 .size = 159 * kGiBytes,
+                 .state = BlockState::kFree,
+                 .mapped_bytes = 2 << 20};
+  seg.blocks = {used, rest};
+  MemoryMapPanel panel;
+  panel.title = "expandable";
+  panel.snapshot.segments = {seg};
+  const std::string svg = RenderMemoryMapSvg({panel}, {});
+  absl::StatusOr<std::unique_ptr<XmlNode>> root = ParseXml(svg);
+  ASSERT_TRUE(root.ok()) << root.status();
+  const std::string text = (*root)->AllText();
+  EXPECT_THAT(text, testing::HasSubstr("1026.0 MiB mapped"));
+  EXPECT_THAT(text, testing::Not(testing::HasSubstr("160")));
+  EXPECT_THAT(text, testing::Not(testing::HasSubstr("150")));
+  EXPECT_EQ((*root)->ByClass("segment-row").size(), 1u);
+}
+
 TEST(SvgTest, PanelsSideBySideAndEmptyInputsStayWellFormed) {
   Fixture f;
   MemoryMapPanel empty;

@@ -153,6 +153,7 @@ BlockInfo ToInfo(const Block& b) {
   info.requested_bytes = b.state == BlockState::kAllocated ? b.requested : 0;
   info.stream = StreamHandle(b.segment->stream);
   info.state = b.state;
+  info.mapped_bytes = b.size;
   return info;
 }
 
@@ -682,8 +683,14 @@ class CachingDeviceAllocator::Impl {
       info.size = seg->size;
       info.stream = StreamHandle(seg->stream);
       info.small_pool = seg->small;
+      info.expandable = expandable_;
       for (const Block* b = seg->first; b != nullptr; b = b->next) {
-        info.blocks.push_back(ToInfo(*b));
+        BlockInfo bi = ToInfo(*b);
+        if (expandable_ && b->state == BlockState::kFree) {
+          bi.mapped_bytes = MappedBytes(seg.get(), b->address, b->size);
+        }
+        info.mapped_bytes += bi.mapped_bytes;
+        info.blocks.push_back(bi);
       }
       snap.segments.push_back(std::move(info));
     }
@@ -1277,6 +1284,24 @@ class CachingDeviceAllocator::Impl {
   bool Backed(const Block* b, std::size_t bytes) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return UnmappedBytes(b->segment, b->address, bytes) == 0;
+  }
+  // The bytes of [address, address + bytes) that lie on mapped granules.
+  std::size_t MappedBytes(const Segment* seg, std::uint64_t address,
+                          std::size_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const VmmRange* r = RangeOf(seg);
+    const std::uint64_t end = address + bytes;
+    std::size_t n = 0;
+    for (std::size_t i = (address - r->base) / granule_;
+         i < r->slots.size() && r->base + i * granule_ < end; ++i) {
+      if (r->slots[i].is_null()) continue;
+      const std::uint64_t lo =
+          std::max<std::uint64_t>(address, r->base + i * granule_);
+      const std::uint64_t hi =
+          std::min<std::uint64_t>(end, r->base + (i + 1) * granule_);
+      n += hi - lo;
+    }
+    return n;
   }
   std::size_t UnmappedBytes(const Segment* seg, std::uint64_t address,
                             std::size_t bytes) const

@@ -138,8 +138,26 @@ void DrawPanel(std::string& out, const MemoryMapPanel& panel, const Box& box,
     by_stream[stream.value()] = model;
   }
 
-  // Rows: the largest max_rows segments, kept in address order.
+  // Rows: the largest max_rows segments, kept in address order. A classic
+  // segment is drawn whole; an expandable one (a stream's virtual range) only
+  // up to the end of its last mapped or used block: unmapped virtual space
+  // holds no memory and is not drawn.
   const std::vector<SegmentInfo>& segs = panel.snapshot.segments;
+  std::vector<std::uint64_t> extent(segs.size());
+  for (std::size_t i = 0; i < segs.size(); ++i) {
+    if (!segs[i].expandable) {
+      extent[i] = segs[i].size;
+      continue;
+    }
+    for (const BlockInfo& b : segs[i].blocks) {
+      // Free blocks are drawn as wide as their mapped bytes (below).
+      const std::size_t drawn =
+          b.state == BlockState::kFree ? b.mapped_bytes : b.size;
+      if (drawn > 0) {
+        extent[i] = b.ptr.address() - segs[i].base.address() + drawn;
+      }
+    }
+  }
   std::vector<std::size_t> shown(segs.size());
   for (std::size_t i = 0; i < segs.size(); ++i) shown[i] = i;
   const std::size_t max_rows =
@@ -147,12 +165,12 @@ void DrawPanel(std::string& out, const MemoryMapPanel& panel, const Box& box,
   std::size_t hidden = 0;
   std::uint64_t hidden_bytes = 0;
   if (shown.size() > max_rows) {
-    std::stable_sort(shown.begin(), shown.end(),
-                     [&](std::size_t a, std::size_t b) {
-                       return segs[a].size > segs[b].size;
-                     });
+    std::stable_sort(
+        shown.begin(), shown.end(),
+        [&](std::size_t a, std::size_t b) { return extent[a] > extent[b]; });
     for (std::size_t i = max_rows; i < shown.size(); ++i) {
-      hidden_bytes += segs[shown[i]].size;
+      const SegmentInfo& h = segs[shown[i]];
+      hidden_bytes += h.expandable ? h.mapped_bytes : h.size;
     }
     hidden = shown.size() - max_rows;
     shown.resize(max_rows);
@@ -160,7 +178,7 @@ void DrawPanel(std::string& out, const MemoryMapPanel& panel, const Box& box,
   }
   std::uint64_t max_size = 0;
   for (std::size_t i : shown)
-    max_size = std::max<std::uint64_t>(max_size, segs[i].size);
+    max_size = std::max<std::uint64_t>(max_size, extent[i]);
 
   const double label_w = 150;
   const double plot_x = box.x + label_w;
@@ -195,14 +213,23 @@ void DrawPanel(std::string& out, const MemoryMapPanel& panel, const Box& box,
         &out, "<g class=\"segment-row\" data-base=\"0x%x\" data-size=\"%d\">\n",
         seg.base.address(), seg.size);
     Text(out, plot_x - 6, y + row_h * 0.78,
-         absl::StrCat(HumanBytes(static_cast<double>(seg.size)),
+         absl::StrCat(HumanBytes(static_cast<double>(
+                          seg.expandable ? seg.mapped_bytes : seg.size)),
+                      seg.expandable ? " mapped" : "",
                       seg_model.empty() ? "" : " ", seg_model),
          10, "end");
     for (const BlockInfo& b : seg.blocks) {
       const double bx =
           plot_x +
           static_cast<double>(b.ptr.address() - seg.base.address()) * scale;
-      const double bw = std::max(1.0, static_cast<double>(b.size) * scale);
+      // A free block of an expandable range is drawn as wide as its mapped
+      // bytes (where in the block they lie is not shown); wholly unmapped
+      // free blocks are not drawn.
+      const std::size_t drawn = seg.expandable && b.state == BlockState::kFree
+                                    ? b.mapped_bytes
+                                    : b.size;
+      if (drawn == 0) continue;
+      const double bw = std::max(1.0, static_cast<double>(drawn) * scale);
       const std::string model = BlockModel(b, seg, by_block, by_stream);
       const std::string color =
           model.empty() ? std::string(kUnownedColor) : palette.Color(model);
@@ -233,13 +260,14 @@ void DrawPanel(std::string& out, const MemoryMapPanel& panel, const Box& box,
           model.empty() ? "" : " ", XmlEscape(model));
     }
     // Segment outline.
-    absl::StrAppendFormat(&out,
-                          "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" "
-                          "height=\"%.1f\" fill=\"none\" stroke=\"#888\" "
-                          "stroke-width=\"0.5\"/>\n</g>\n",
-                          plot_x, y + 1,
-                          std::max(1.0, static_cast<double>(seg.size) * scale),
-                          row_h - 2);
+    absl::StrAppendFormat(
+        &out,
+        "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" "
+        "height=\"%.1f\" fill=\"none\" stroke=\"#888\" "
+        "stroke-width=\"0.5\"/>\n</g>\n",
+        plot_x, y + 1,
+        std::max(1.0, static_cast<double>(extent[shown[r]]) * scale),
+        row_h - 2);
   }
 
   // X axis: offset in the segment.
@@ -385,7 +413,8 @@ void DrawLegend(std::string& out, double x, double y, Palette& palette) {
       {"pending free (waits for a stream)",
        "fill=\"#1f77b4\" fill-opacity=\"0.35\" stroke=\"#1f77b4\" "
        "stroke-dasharray=\"3,2\""},
-      {"free, cached", absl::StrCat("fill=\"", kFreeColor, "\"")},
+      {"free, cached (unmapped virtual space is not drawn)",
+       absl::StrCat("fill=\"", kFreeColor, "\"")},
   };
   for (const Item& item : states) {
     absl::StrAppendFormat(&out,

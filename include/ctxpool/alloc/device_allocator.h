@@ -226,6 +226,10 @@ struct BlockInfo {
   std::size_t requested_bytes = 0;  // 0 unless allocated
   StreamHandle stream;              // allocation stream (owner)
   BlockState state = BlockState::kFree;
+  // Bytes of the block backed by physical memory: `size` in classic mode and
+  // for blocks in use; in expandable mode a free block may lie partly or
+  // wholly on unmapped granules (virtual space only).
+  std::size_t mapped_bytes = 0;
 };
 
 struct SegmentInfo {
@@ -233,6 +237,10 @@ struct SegmentInfo {
   std::size_t size = 0;
   StreamHandle stream;
   bool small_pool = false;
+  // Expandable mode: the segment is a stream's virtual range and only
+  // `mapped_bytes` of it are backed; classic: mapped_bytes == size.
+  bool expandable = false;
+  std::size_t mapped_bytes = 0;
   std::vector<BlockInfo> blocks;  // by address, covering [base, base+size)
 };
 
