@@ -51,6 +51,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -262,31 +263,15 @@ class CachingDeviceAllocator::Impl {
     OomReport report;
     {
       core_internal::SpinLockHolder lock(&mu_);
-      StreamState* ss = GetStream(stream.value());
-      if (Block* b = FindFree(ss, rounded, small)) {  // the cached hot path
-        if (!expandable_ || Backed(b, TakeSize(b, rounded, small))) {
-          ++cache_hits_;
-          return Traced(TakeBlock(b, rounded, bytes), bytes, ss);
-        }
+      if (auto p = TryAllocate(stream, rounded, bytes, small, &report)) {
+        return *std::move(p);
       }
-      bool oom = false;
-      absl::StatusOr<DevicePtr> p =
-          AllocateSlow(ss, rounded, bytes, small, &report, &oom);
-      if (!oom) return Traced(p, bytes, ss);
     }
     if (options_.on_oom && options_.on_oom(report)) {
       core_internal::SpinLockHolder lock(&mu_);
-      StreamState* ss = GetStream(stream.value());
-      if (Block* b = FindFree(ss, rounded, small)) {
-        if (!expandable_ || Backed(b, TakeSize(b, rounded, small))) {
-          ++cache_hits_;
-          return Traced(TakeBlock(b, rounded, bytes), bytes, ss);
-        }
+      if (auto p = TryAllocate(stream, rounded, bytes, small, &report)) {
+        return *std::move(p);
       }
-      bool oom = false;
-      absl::StatusOr<DevicePtr> p =
-          AllocateSlow(ss, rounded, bytes, small, &report, &oom);
-      if (!oom) return Traced(p, bytes, ss);
     }
     core_internal::SpinLockHolder lock(&mu_);
     ++num_ooms_;
@@ -296,6 +281,26 @@ class CachingDeviceAllocator::Impl {
       recorder_.Record(TraceOp::kOom, 0, bytes, ss->stream, ss->tenant);
     }
     return absl::ResourceExhaustedError(report.ToString());
+  }
+
+  // One attempt: the cached hot path, else the slow path (new memory, the
+  // allocator's own retry). std::nullopt when it ran out of memory; `report`
+  // then says why.
+  std::optional<absl::StatusOr<DevicePtr>> TryAllocate(
+      StreamHandle stream, std::size_t rounded, std::size_t bytes, bool small,
+      OomReport* report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    StreamState* ss = GetStream(stream.value());
+    if (Block* b = FindFree(ss, rounded, small)) {  // the cached hot path
+      if (!expandable_ || Backed(b, TakeSize(b, rounded, small))) {
+        ++cache_hits_;
+        return Traced(TakeBlock(b, rounded, bytes), bytes, ss);
+      }
+    }
+    bool oom = false;
+    absl::StatusOr<DevicePtr> p =
+        AllocateSlow(ss, rounded, bytes, small, report, &oom);
+    if (oom) return std::nullopt;
+    return Traced(p, bytes, ss);
   }
 
   absl::Status Deallocate(DevicePtr ptr) ABSL_LOCKS_EXCLUDED(mu_) {
