@@ -1,6 +1,7 @@
 #include "ctxpool/trace/workloads.h"
 
 #include <set>
+#include <vector>
 
 #include "ctxpool/trace/trace.h"
 #include "gmock/gmock.h"
@@ -56,6 +57,51 @@ TEST(Workloads, ChurnLoadsAndUnloadsModelsForAtLeast100Cycles) {
                 (o.max_model_bytes + (o.max_model_bytes >> 2)));
 }
 
+TEST(Workloads, ChurnTrimsAfterEachUnloadInsideTheCycles) {
+  const MultiModelChurnOptions o{.seed = 4, .models = 5, .cycles = 30};
+  ASSERT_TRUE(o.trim_after_unload);  // the default
+  const Trace t = MultiModelChurn(o);
+  ASSERT_TRUE(t.Validate().ok()) << t.Validate();
+  // Each cycle after the first `resident` evicts one model; the final
+  // teardown does not trim.
+  EXPECT_EQ(Count(t, TraceOp::kTrim),
+            static_cast<std::uint64_t>(o.cycles - o.resident));
+  const std::vector<TraceEvent>& ev = t.events();
+  std::size_t last_alloc = 0, last_trim = 0;
+  for (std::size_t i = 0; i < ev.size(); ++i) {
+    if (ev[i].op == TraceOp::kAlloc) last_alloc = i;
+    if (ev[i].op != TraceOp::kTrim) continue;
+    last_trim = i;
+    EXPECT_EQ(ev[i].size, 0u);
+    // It follows the frees of an unloaded model's weights, and names that
+    // model's stream and tenant.
+    ASSERT_GT(i, static_cast<std::size_t>(o.weight_tensors));
+    for (int k = 1; k <= o.weight_tensors; ++k) {
+      const TraceEvent& f = ev[i - static_cast<std::size_t>(k)];
+      ASSERT_EQ(f.op, TraceOp::kFree) << "event " << i;
+      EXPECT_EQ(f.stream, ev[i].stream);
+      EXPECT_EQ(f.tenant, ev[i].tenant);
+    }
+  }
+  EXPECT_LT(last_trim, last_alloc);  // no trim in the teardown
+
+  // Without trims the allocations and frees are the same.
+  MultiModelChurnOptions no_trim = o;
+  no_trim.trim_after_unload = false;
+  const Trace u = MultiModelChurn(no_trim);
+  EXPECT_EQ(Count(u, TraceOp::kTrim), 0u);
+  std::vector<TraceEvent> t_ops;
+  for (const TraceEvent& e : ev) {
+    if (e.op != TraceOp::kTrim) t_ops.push_back(e);
+  }
+  ASSERT_EQ(t_ops.size(), u.size());
+  for (std::size_t i = 0; i < u.size(); ++i) {
+    EXPECT_EQ(t_ops[i].op, u.events()[i].op);
+    EXPECT_EQ(t_ops[i].ptr, u.events()[i].ptr);
+    EXPECT_EQ(t_ops[i].size, u.events()[i].size);
+  }
+}
+
 TEST(Workloads, LlmServingGrowsKvCachesAndVariesSequenceLength) {
   const LlmServingOptions o{.seed = 5, .requests = 32};
   const Trace t = LlmServing(o);
@@ -97,6 +143,13 @@ TEST(Workloads, SpecStringsSetOptionsAndRejectNonsense) {
   const MultiModelChurnOptions o{
       .seed = 3, .models = 4, .cycles = 120, .max_model_bytes = 1ull << 30};
   EXPECT_EQ(*t, MultiModelChurn(o));
+  absl::StatusOr<Trace> quiet =
+      GenerateWorkload("churn:seed=3,trim_after_unload=false");
+  ASSERT_TRUE(quiet.ok()) << quiet.status();
+  EXPECT_EQ(*quiet, MultiModelChurn({.seed = 3, .trim_after_unload = false}));
+  EXPECT_THAT(
+      GenerateWorkload("churn:trim_after_unload=maybe").status().message(),
+      HasSubstr("bad value 'maybe'"));
   EXPECT_THAT(GenerateWorkload("nope").status().message(),
               HasSubstr("unknown workload 'nope'"));
   EXPECT_THAT(GenerateWorkload("mixed:colour=red").status().message(),

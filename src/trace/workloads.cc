@@ -79,6 +79,10 @@ class Gen {
     Emit(TraceOp::kFree, b);
     live_bytes_ -= b.size;
   }
+  // A trim request (size 0) made on behalf of `stream` and `tenant`.
+  void Trim(std::uint64_t stream, std::uint32_t tenant) {
+    Emit(TraceOp::kTrim, Block{0, 0, stream, tenant});
+  }
   void Tick(std::int64_t ns) { now_ += ns; }
   std::uint64_t live_bytes() const { return live_bytes_; }
 
@@ -155,11 +159,15 @@ Trace MultiModelChurn(const MultiModelChurnOptions& o) {
                              std::max(o.min_model_bytes, o.max_model_bytes));
   }
   std::deque<int> resident;
-  auto unload = [&](int id) {
+  auto unload = [&](int id, bool trim) {
     Model& m = models[static_cast<std::size_t>(id)];
     // Frameworks free parameters in creation order.
     for (const Gen::Block& b : m.weights) g.Free(b);
     m.weights.clear();
+    if (trim) {
+      g.Trim(static_cast<std::uint64_t>(id + 1),
+             static_cast<std::uint32_t>(id + 1));
+    }
     g.Tick(1'000'000);
   };
   auto serve = [&](int id) {
@@ -195,7 +203,7 @@ Trace MultiModelChurn(const MultiModelChurnOptions& o) {
       }
     }
     if (candidates.empty() || static_cast<int>(resident.size()) >= cap) {
-      unload(resident.front());
+      unload(resident.front(), o.trim_after_unload);
       resident.pop_front();
       if (candidates.empty()) {
         for (int i = 0; i < static_cast<int>(models.size()); ++i) {
@@ -218,11 +226,12 @@ Trace MultiModelChurn(const MultiModelChurnOptions& o) {
     }
   }
   while (!resident.empty()) {
-    unload(resident.front());
+    unload(resident.front(), /*trim=*/false);
     resident.pop_front();
   }
   return std::move(g).Finish(
-      absl::StrCat("workload:churn:seed=", o.seed, ",cycles=", o.cycles));
+      absl::StrCat("workload:churn:seed=", o.seed, ",cycles=", o.cycles,
+                   o.trim_after_unload ? "" : ",trim_after_unload=false"));
 }
 
 Trace LlmServing(const LlmServingOptions& o) {
@@ -375,7 +384,7 @@ namespace {
 // One settable option field.
 struct Field {
   absl::string_view key;
-  std::variant<int*, std::uint64_t*, double*> target;
+  std::variant<int*, std::uint64_t*, double*, bool*> target;
   bool bytes = false;  // parse with ParseByteSize
 };
 
@@ -409,6 +418,8 @@ absl::Status ApplyFields(absl::string_view name, absl::string_view args,
       }
     } else if (auto* d = std::get_if<double*>(&f->target)) {
       ok = absl::SimpleAtod(p.second, *d);
+    } else if (auto* b = std::get_if<bool*>(&f->target)) {
+      ok = absl::SimpleAtob(p.second, *b);
     }
     if (!ok) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -435,7 +446,8 @@ absl::StatusOr<Trace> GenerateWorkload(absl::string_view spec) {
                      {"min_model_bytes", &o.min_model_bytes, true},
                      {"max_model_bytes", &o.max_model_bytes, true},
                      {"weight_tensors", &o.weight_tensors},
-                     {"requests_per_cycle", &o.requests_per_cycle}}));
+                     {"requests_per_cycle", &o.requests_per_cycle},
+                     {"trim_after_unload", &o.trim_after_unload}}));
     if (o.models < 1 || o.cycles < 1 || o.weight_tensors < 1 ||
         o.min_model_bytes > o.max_model_bytes) {
       return absl::InvalidArgumentError("workload churn: bad options");

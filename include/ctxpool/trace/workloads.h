@@ -8,7 +8,13 @@
 //
 //   MultiModelChurn  models of different sizes are loaded (weights), serve
 //                    requests (activations) and are unloaded, `cycles` times;
-//                    each model has its own stream and tenant id.
+//                    each model has its own stream and tenant id. A server
+//                    trims after it unloads a model: with trim_after_unload
+//                    each unload inside the cycles is followed by a kTrim
+//                    event (size 0, the unloaded model's stream and tenant;
+//                    the trim itself is device-wide) — a trim point,
+//                    where a replay calls Trim(0) and measures what stays
+//                    reserved (replay.h).
 //   LlmServing       one set of weights, then requests with random prompt and
 //                    output lengths batched together; each request's KV cache
 //                    grows by reallocation (allocate larger, free old) as it
@@ -47,6 +53,9 @@ struct MultiModelChurnOptions {
   std::uint64_t max_model_bytes = 4ull << 30;
   int weight_tensors = 24;     // per model
   int requests_per_cycle = 8;  // served by the model loaded in a cycle
+  // Append a kTrim event after each unload inside the cycles (not after the
+  // final teardown, which unloads every model).
+  bool trim_after_unload = true;
 };
 // REQUIRES: models >= resident >= 1, cycles >= 1, weight_tensors >= 1,
 // min_model_bytes <= max_model_bytes.
@@ -94,7 +103,8 @@ Trace MultiStream(const MultiStreamOptions& options);
 std::vector<std::string> WorkloadNames();
 // Builds a workload from "NAME[:key=value,...]"; keys are the option field
 // names (seed, models, cycles, requests, max_batch, ops, streams, ...), byte
-// fields accept sizes such as 4GiB. INVALID_ARGUMENT for unknown names/keys.
+// fields accept sizes such as 4GiB, boolean fields (trim_after_unload)
+// true/false/1/0. INVALID_ARGUMENT for unknown names/keys.
 absl::StatusOr<Trace> GenerateWorkload(absl::string_view spec);
 
 }  // namespace ctxpool
