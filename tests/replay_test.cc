@@ -15,6 +15,7 @@ namespace ctxpool {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 TraceEvent Alloc(std::uint64_t ptr, std::uint64_t size, std::uint64_t s = 0) {
   return {.op = TraceOp::kAlloc, .ptr = ptr, .size = size, .stream = s};
@@ -168,6 +169,79 @@ TEST(Replay, OnAGivenDriverWithSeveralStreams) {
       << ::testing::PrintToString(sim->misuse_log());
   EXPECT_EQ(sim->primary_ctx_refcount(0), 0);
   EXPECT_EQ(sim->used_bytes(0), 0u);
+}
+
+TraceEvent TrimEvent() { return {.op = TraceOp::kTrim}; }
+
+TEST(Replay, MeasuresReservedMinusLiveAtTrimPoints) {
+  // Stream 1 keeps 3 MiB live: in expandable mode the granules under it (the
+  // second one half used) stay mapped, the freed 5 MiB is unmapped by Trim.
+  Trace t;
+  t.Append(Alloc(1, 3 << 20, 1));
+  t.Append(Alloc(2, 5 << 20, 1));
+  t.Append(Free(2, 5 << 20, 1));
+  t.Append(TrimEvent());
+  ReplayConfig c;
+  c.allocator.backing = BackingMode::kExpandable;
+  c.replay_trims = true;
+  absl::StatusOr<ReplayResult> r = Replay(t, c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->trims, 1u);
+  ASSERT_TRUE(r->worst_trim_point.has_value());
+  EXPECT_EQ(*r->worst_trim_point, 3u);
+  EXPECT_EQ(r->max_trim_residual_bytes, 1u << 20);
+  EXPECT_DOUBLE_EQ(r->max_trim_residual_granules_per_stream, 0.5);
+  EXPECT_THAT(ReplayResultToText(*r), HasSubstr("trim points:      1;"));
+  EXPECT_THAT(ReplayResultToJson(*r),
+              HasSubstr("\"max_trim_residual_bytes\": 1048576"));
+
+  // Without replay_trims the kTrim event is skipped and nothing is measured.
+  c.replay_trims = false;
+  r = Replay(t, c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->trims, 0u);
+  EXPECT_EQ(r->skipped_events, 1u);
+  EXPECT_FALSE(r->worst_trim_point.has_value());
+  EXPECT_THAT(ReplayResultToText(*r), Not(HasSubstr("trim points")));
+  EXPECT_THAT(ReplayResultToJson(*r), HasSubstr("\"worst_trim_point\": null"));
+}
+
+// A server trims after each unload: in expandable mode what stays reserved is
+// at most the partly used granule at the end of each stream's live blocks.
+TEST(Replay, ChurnTrimPointsLeaveAtMostOneGranulePerActiveStream) {
+  const MultiModelChurnOptions o{.seed = 3,
+                                 .models = 4,
+                                 .cycles = 12,
+                                 .resident = 2,
+                                 .min_model_bytes = 24ull << 20,
+                                 .max_model_bytes = 96ull << 20,
+                                 .weight_tensors = 6,
+                                 .requests_per_cycle = 3};
+  const Trace t = MultiModelChurn(o);
+  ReplayConfig c;
+  c.allocator.backing = BackingMode::kExpandable;
+  c.replay_trims = true;
+  c.cost_model = false;
+  c.wall_latency = false;
+  absl::StatusOr<ReplayResult> r = Replay(t, c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->ooms, 0u);
+  EXPECT_EQ(r->trims, static_cast<std::uint64_t>(o.cycles - o.resident));
+  // Every trim point has a resident model, so the maximum ratio bounds the
+  // residual at each of them.
+  EXPECT_LE(r->max_trim_residual_granules_per_stream, 1.0)
+      << "worst trim point: event " << r->worst_trim_point.value_or(0)
+      << ", residual " << r->max_trim_residual_bytes;
+  EXPECT_LE(r->max_trim_residual_bytes,
+            static_cast<std::uint64_t>(o.resident) * (2u << 20));
+
+  // Classic segments report the figure too (its size is not a target).
+  c.allocator.backing = BackingMode::kClassic;
+  absl::StatusOr<ReplayResult> classic = Replay(t, c);
+  ASSERT_TRUE(classic.ok()) << classic.status();
+  EXPECT_EQ(classic->trims, r->trims);
+  EXPECT_TRUE(classic->worst_trim_point.has_value());
+  EXPECT_THAT(ReplayResultToText(*classic), HasSubstr("trim points:"));
 }
 
 TEST(FindMinCapacity, FindsTheOomFrontier) {

@@ -42,7 +42,7 @@ void PrintReplayUsage(std::FILE* out) {
       "usage: ctxpool replay TRACE [--device PRESET | --capacity SIZE] "
       "[--config K=V,...]\n"
       "                      [--find-min-capacity] [--stop-at-oom] "
-      "[--no-cost-model]\n"
+      "[--no-cost-model] [--trims]\n"
       "                      [--unknown-free error|synthesize|ignore] "
       "[--gpu] [--json] [--samples] [--progress]\n\n"
       "Replays TRACE on a fresh caching allocator over a simulated device.\n\n"
@@ -63,6 +63,10 @@ void PrintReplayUsage(std::FILE* out) {
       "  --stop-at-oom      stop at the first failed allocation\n"
       "  --no-cost-model    simulated driver calls cost nothing (no simulated "
       "latency)\n"
+      "  --trims            call Trim(0) at the trace's trim events and report "
+      "what stays\n"
+      "                     reserved after them (reserved - live, granules per "
+      "active stream)\n"
       "  --unknown-free P   a free of a pointer the trace never allocated: "
       "error (default),\n"
       "                     synthesize (assume it was live before the trace) "
@@ -145,6 +149,8 @@ int ParseArgs(int argc, char** argv, Args* a) {
       a->config.stop_at_first_oom = true;
     } else if (arg == "--no-cost-model") {
       a->config.cost_model = false;
+    } else if (arg == "--trims") {
+      a->config.replay_trims = true;
     } else if (arg == "--gpu") {
       a->gpu = true;
     } else if (arg == "--json") {

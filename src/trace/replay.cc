@@ -49,6 +49,7 @@ absl::StatusOr<SimDeviceSpec> SpecFor(const ReplayConfig& config) {
 struct LiveAlloc {
   DevicePtr ptr;
   std::uint64_t size = 0;
+  std::uint64_t stream = 0;  // the trace's stream id
 };
 
 // Everything a replay creates on the driver, released in reverse order.
@@ -76,6 +77,9 @@ class ReplayRun {
  private:
   absl::Status Setup();
   void Sample(std::size_t index, std::uint64_t live);
+  // After Trim(0) at event `index`: records reserved − live and the streams
+  // with live blocks (ReplayResult::max_trim_residual_*).
+  void MeasureTrimPoint(std::size_t index, std::size_t active_streams);
 
   const Trace& trace_;
   Driver& driver_;
@@ -96,7 +100,7 @@ absl::Status ReplayRun::Setup() {
   retained_ = true;
   CTXPOOL_RETURN_IF_ERROR(driver_.CtxSetCurrent(ctx_));
   for (const TraceEvent& e : trace_.events()) {
-    if (streams_.contains(e.stream)) continue;
+    if (e.op != TraceOp::kAlloc || streams_.contains(e.stream)) continue;
     CTXPOOL_ASSIGN_OR_RETURN(StreamHandle s,
                              driver_.StreamCreate(kStreamNonBlocking, 0));
     streams_.emplace(e.stream, s);
@@ -122,6 +126,28 @@ void ReplayRun::Sample(std::size_t index, std::uint64_t live) {
   result_.max_external_fragmentation =
       std::max(result_.max_external_fragmentation, s.external);
   result_.samples.push_back(s);
+}
+
+void ReplayRun::MeasureTrimPoint(std::size_t index,
+                                 std::size_t active_streams) {
+  const DeviceAllocatorStats stats = alloc_->Stats();
+  const auto reserved =
+      static_cast<std::uint64_t>(stats.total.reserved_bytes[0].current) +
+      stats.granule_cache_bytes;
+  const auto live =
+      static_cast<std::uint64_t>(stats.total.allocated_bytes[0].current);
+  const std::uint64_t residual = reserved > live ? reserved - live : 0;
+  const double per_stream =
+      active_streams == 0
+          ? 0.0
+          : static_cast<double>(residual) /
+                static_cast<double>(kCapacityStep * active_streams);
+  if (!result_.worst_trim_point || residual > result_.max_trim_residual_bytes) {
+    result_.max_trim_residual_bytes = residual;
+    result_.worst_trim_point = index;
+  }
+  result_.max_trim_residual_granules_per_stream =
+      std::max(result_.max_trim_residual_granules_per_stream, per_stream);
 }
 
 absl::StatusOr<ReplayResult> ReplayRun::Run() {
@@ -164,6 +190,9 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
   }
   absl::flat_hash_map<std::uint64_t, LiveAlloc> live;
   live.reserve(1024);
+  // Live allocations per trace stream; `active_streams` counts non-zero ones.
+  absl::flat_hash_map<std::uint64_t, std::uint64_t> stream_live;
+  std::size_t active_streams = 0;
   absl::flat_hash_set<std::uint64_t> failed;  // trace ptrs whose alloc failed
   std::uint64_t live_bytes = 0;
   const std::int64_t start_ns = NowNs();
@@ -207,11 +236,12 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
         }
         continue;
       }
-      if (!live.emplace(e.ptr, LiveAlloc{*p, e.size}).second) {
+      if (!live.emplace(e.ptr, LiveAlloc{*p, e.size, e.stream}).second) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "event %d: allocation of pointer 0x%x, which is live", i, e.ptr));
       }
       ++result_.allocs;
+      if (stream_live[e.stream]++ == 0) ++active_streams;
       live_bytes += e.size;
       result_.peak_live_bytes = std::max(result_.peak_live_bytes, live_bytes);
     } else if (e.op == TraceOp::kFree) {
@@ -239,10 +269,12 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
       ++result_.ops;
       ++result_.frees;
       live_bytes -= it->second.size;
+      if (--stream_live[it->second.stream] == 0) --active_streams;
       live.erase(it);
     } else if (e.op == TraceOp::kTrim && config_.replay_trims) {
       CTXPOOL_RETURN_IF_ERROR(alloc_->Trim(0).status());
       ++result_.trims;
+      MeasureTrimPoint(i, active_streams);
     } else {
       ++result_.skipped_events;
     }
@@ -464,6 +496,9 @@ std::string ReplayResultToJson(const ReplayResult& r, bool with_samples) {
       "\"end_reserved_bytes\": %d, \"ooms\": %d, \"stopped_at_oom\": %s, "
       "\"upstream_allocations\": %d, \"upstream_frees\": %d, "
       "\"cache_hits\": %d, \"max_external_fragmentation\": %.4f, "
+      "\"max_trim_residual_bytes\": %d, "
+      "\"max_trim_residual_granules_per_stream\": %.4f, "
+      "\"worst_trim_point\": %s, "
       "\"simulated_time_ns\": %d, \"wall_time_ns\": %d, ",
       JsonString(r.trace_source), JsonString(r.device), r.capacity_bytes,
       r.context_overhead_bytes, r.ops, r.allocs, r.frees, r.skipped_events,
@@ -471,6 +506,8 @@ std::string ReplayResultToJson(const ReplayResult& r, bool with_samples) {
       r.peak_reserved_over_live, r.end_live_bytes, r.end_reserved_bytes, r.ooms,
       r.stopped_at_oom ? "true" : "false", r.upstream_allocations,
       r.upstream_frees, r.cache_hits, r.max_external_fragmentation,
+      r.max_trim_residual_bytes, r.max_trim_residual_granules_per_stream,
+      r.worst_trim_point ? absl::StrCat(*r.worst_trim_point) : "null",
       r.simulated_time_ns, r.wall_time_ns);
   if (r.first_oom) {
     absl::StrAppendFormat(
@@ -538,6 +575,15 @@ std::string ReplayResultToText(const ReplayResult& r) {
                         r.upstream_allocations, r.upstream_frees);
   absl::StrAppendFormat(&out, "fragmentation:    max external %.3f\n",
                         r.max_external_fragmentation);
+  if (r.trims != 0) {
+    absl::StrAppendFormat(
+        &out,
+        "trim points:      %d; after Trim(0) reserved - live at most %s "
+        "(event %d), %.3f granules per active stream\n",
+        r.trims, FormatBytes(r.max_trim_residual_bytes),
+        r.worst_trim_point.value_or(0),
+        r.max_trim_residual_granules_per_stream);
+  }
   if (!r.samples.empty()) {
     // Ten rows spread over the replay (all samples: --json --samples).
     absl::StrAppendFormat(&out, "  %-10s%10s %11s %11s %13s %9s\n", "over time",

@@ -12,6 +12,10 @@
 //   OOMs             allocations that failed, and the first one in detail
 //   upstream calls   physical allocations: cuMemAlloc + cuMemCreate
 //   fragmentation    reserved, live and external fragmentation, sampled
+//   trim points      with replay_trims, at each kTrim event (e.g. the churn
+//                    workload's trim after each unload): Trim(0), then
+//                    reserved − live, the worst case and that residual in
+//                    2 MiB granules per active stream
 //   latency          p50 / p99 / p99.9 / max of Allocate and Deallocate:
 //                    `sim_*` from SimDriver's cost model (simulated driver
 //                    time), `wall_*` measured with a monotonic clock
@@ -25,7 +29,8 @@
 //   std::cout << ReplayResultToJson(r);
 //
 // Rules of a replay:
-//   * One stream per distinct trace stream id (created on the device).
+//   * One stream per distinct stream id of the trace's allocations (created
+//     on the device).
 //     Threads are ignored: events run in the trace's order.
 //   * Only kAlloc and kFree act (kTrim calls Trim(0) when replay_trims);
 //     free completions, segment events and recorded OOMs are the recording
@@ -77,7 +82,8 @@ struct ReplayConfig {
   bool cost_model = true;
   // Measure each Allocate/Deallocate with a monotonic clock.
   bool wall_latency = true;
-  // Call Trim(0) at kTrim events.
+  // Call Trim(0) at kTrim events (trim points) and measure what stays
+  // reserved (ReplayResult::max_trim_residual_*).
   bool replay_trims = false;
   // Take a fragmentation sample every this many events (0: about 200
   // samples over the trace).
@@ -141,6 +147,18 @@ struct ReplayResult {
   std::uint64_t cache_hits = 0;
   double peak_reserved_over_live = 0;  // peak_reserved / peak_live
   double max_external_fragmentation = 0;
+  // Trim points (replay_trims): after each kTrim's Trim(0), residual =
+  // reserved − live, where reserved is the allocator's reserved bytes plus
+  // its granule cache (expandable: mapped + cached granules) and live is the
+  // allocator's allocated bytes (the replay's live blocks, rounded to the
+  // allocator's 512 B); an active stream is a trace stream with at least one
+  // live allocation. The maximum residual over the trim points, the event
+  // where it occurred, and the maximum over the trim points of
+  // residual / (2 MiB x active streams) (0 at a point with no active stream;
+  // the target for expandable segments is <= 1).
+  std::uint64_t max_trim_residual_bytes = 0;
+  std::optional<std::size_t> worst_trim_point;  // event index; none: no trim
+  double max_trim_residual_granules_per_stream = 0;
   std::vector<FragmentationSample> samples;
   LatencyStats sim_alloc;  // simulated driver time per Allocate
   LatencyStats sim_free;
