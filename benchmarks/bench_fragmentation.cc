@@ -5,7 +5,10 @@
 // Workloads:
 //   churn         MultiModelChurn: 6 models of 256 MiB - 4 GiB loaded,
 //                 serving variable-size requests, unloaded, reloaded; 100
-//                 cycles, 3 resident (seed 1)
+//                 cycles, 3 resident (seed 1); the server trims after each
+//                 unload (97 trim points)
+//   churn-no-trim the same trace without its trim events: a server that
+//                 never trims (only the end of the replay is a trim point)
 //   llm-serving   LlmServing defaults (7B weights, growing KV caches)
 //   mixed         MixedSizes defaults
 //   real:NAME     each *.rmm.csv in $CTXPOOL_TRACES_DIR (default
@@ -14,18 +17,32 @@
 //                 synthesised)
 //
 // Each benchmark replays its workload once per iteration on a fresh
-// allocator over a fresh simulated 80 GiB device (race detection off) and
-// reports Google Benchmark counters:
+// allocator over a fresh simulated 80 GiB device (race detection off). The
+// trace's kTrim events (trim points) are honoured by every implementation:
+// ctxpool calls Trim(0), CUB FreeAllCached. The end of the replay is a trim
+// point too. Live bytes are the trace's (requested sizes); an active stream
+// has at least one live block. Google Benchmark counters:
 //   peak_reserved_over_live  peak reserved / peak live (1.0 is perfect)
 //   peak_reserved_bytes, peak_live_bytes
-//   trim_residual_bytes      after the replay: Trim(0) (CUB: FreeAllCached),
-//                            then reserved − live
+//   trim_residual_bytes      max over the trim points of reserved − live
+//                            after trimming (expandable: mapped bytes)
+//   trim_residual_granules_per_stream
+//                            max over the trim points of residual /
+//                            (2 MiB x active streams); 0 at a point with no
+//                            active stream (target, expandable: <= 1)
+//   physical_allocs_cold     driver calls that create physical memory
+//                            (SimDriver cuMemAlloc + cuMemCreate; CUB's
+//                            cudaMalloc is a cuMemAlloc through the shim)
+//                            during the first half of the alloc/free events
+//   physical_allocs_per_1k_ops_warm
+//                            the same during the second half, per 1000 of
+//                            its alloc/free events
 //   oom_frontier_bytes       the smallest device (2 MiB steps, context
 //                            included) on which the workload has no OOM
 //   models_fit_24gb          (churn only) the largest number of resident
 //                            models (of 12, 1 - 6 GiB each) a 24 GiB
-//                            device serves through 100 churn cycles without
-//                            an OOM
+//                            device serves through 100 churn cycles (with
+//                            their trim points) without an OOM
 // Benchmark names: BM_Fragmentation/<classic|expandable|cub>/<workload>. A
 // configuration the library does not support yet (kExpandable before it
 // lands) is reported with SkipWithError("unsupported: ...").
@@ -147,9 +164,29 @@ struct ReplayFigures {
   std::uint64_t peak_live = 0;
   std::uint64_t peak_reserved = 0;
   std::uint64_t end_live = 0;
-  std::uint64_t trim_residual = 0;  // reserved − live after trimming
+  // Max over the trim points (kTrim events and the end) of reserved − live
+  // after trimming, and of that residual / (2 MiB x active streams).
+  std::uint64_t trim_residual = 0;
+  double trim_residual_granules_per_stream = 0;
+  int trim_points = 0;
+  // cuMemAlloc + cuMemCreate calls in the first and second half of the
+  // alloc/free events, and the number of events in the second half.
+  std::uint64_t physical_allocs_cold = 0;
+  std::uint64_t physical_allocs_warm = 0;
+  std::uint64_t warm_ops = 0;
   std::int64_t ooms = 0;
+
+  double PhysicalAllocsPer1kWarm() const {
+    return warm_ops == 0 ? 0.0
+                         : 1000.0 * static_cast<double>(physical_allocs_warm) /
+                               static_cast<double>(warm_ops);
+  }
 };
+
+std::uint64_t PhysicalAllocs(const SimDriver& sim) {
+  return sim.call_count(SimCall::kMemAlloc) +
+         sim.call_count(SimCall::kMemCreate);
+}
 
 // Replays `trace` on `impl` over a fresh simulated device of `capacity`.
 // UNIMPLEMENTED when the configuration is not supported.
@@ -195,11 +232,46 @@ absl::StatusOr<ReplayFigures> ReplayOn(Impl impl, const Trace& trace,
       else
         streams[e.stream] = *s;
     }
-    absl::flat_hash_map<std::uint64_t, std::pair<DevicePtr, std::uint64_t>>
-        live;
+    struct Live {
+      DevicePtr ptr;  // null when the allocation failed
+      std::uint64_t size = 0;
+      std::uint64_t stream = 0;
+    };
+    absl::flat_hash_map<std::uint64_t, Live> live;
     std::uint64_t live_bytes = 0;
+    // Successful live allocations per trace stream, and the non-zero count.
+    absl::flat_hash_map<std::uint64_t, std::uint64_t> stream_live;
+    std::uint64_t active_streams = 0;
+    auto trim_point = [&]() -> absl::Status {
+      CTXPOOL_RETURN_IF_ERROR(subject->TrimAll());
+      const std::uint64_t reserved = subject->Reserved();
+      const std::uint64_t residual =
+          reserved > live_bytes ? reserved - live_bytes : 0;
+      f.trim_residual = std::max(f.trim_residual, residual);
+      if (active_streams != 0) {
+        f.trim_residual_granules_per_stream =
+            std::max(f.trim_residual_granules_per_stream,
+                     static_cast<double>(residual) /
+                         static_cast<double>((2ull << 20) * active_streams));
+      }
+      ++f.trim_points;
+      return absl::OkStatus();
+    };
+    // Physical allocations before the first and after the middle alloc/free
+    // event.
+    std::uint64_t ops_total = 0;
+    for (const TraceEvent& e : trace.events()) {
+      if (e.op == TraceOp::kAlloc || e.op == TraceOp::kFree) ++ops_total;
+    }
+    const std::uint64_t ops_cold = ops_total / 2;
+    std::uint64_t ops = 0;
+    const std::uint64_t physical_start = PhysicalAllocs(*sim);
+    std::uint64_t physical_mid = physical_start;
     for (const TraceEvent& e : trace.events()) {
       if (!status.ok()) break;
+      if (e.op == TraceOp::kAlloc || e.op == TraceOp::kFree) {
+        if (ops++ == ops_cold) physical_mid = PhysicalAllocs(*sim);
+      }
       if (e.op == TraceOp::kAlloc) {
         absl::StatusOr<DevicePtr> p =
             subject->Allocate(e.size, streams.at(e.stream));
@@ -210,9 +282,10 @@ absl::StatusOr<ReplayFigures> ReplayOn(Impl impl, const Trace& trace,
           }
           ++f.ooms;
           if (stop_at_oom) break;
-          live[e.ptr] = {DevicePtr(), e.size};
+          live[e.ptr] = {DevicePtr(), e.size, e.stream};
         } else {
-          live[e.ptr] = {*p, e.size};
+          live[e.ptr] = {*p, e.size, e.stream};
+          if (stream_live[e.stream]++ == 0) ++active_streams;
         }
         live_bytes += e.size;
         f.peak_live = std::max(f.peak_live, live_bytes);
@@ -220,22 +293,27 @@ absl::StatusOr<ReplayFigures> ReplayOn(Impl impl, const Trace& trace,
       } else if (e.op == TraceOp::kFree) {
         auto it = live.find(e.ptr);
         if (it == live.end()) continue;
-        live_bytes -= it->second.second;
-        if (!it->second.first.is_null()) {
-          status = subject->Free(it->second.first);
+        live_bytes -= it->second.size;
+        if (!it->second.ptr.is_null()) {
+          status = subject->Free(it->second.ptr);
+          if (--stream_live[it->second.stream] == 0) --active_streams;
         }
         live.erase(it);
+      } else if (e.op == TraceOp::kTrim) {
+        status = trim_point();
       }
     }
     if (subject != nullptr && status.ok()) {
+      const std::uint64_t physical_end = PhysicalAllocs(*sim);
+      f.physical_allocs_cold = physical_mid - physical_start;
+      f.physical_allocs_warm = physical_end - physical_mid;
+      f.warm_ops = ops - std::min(ops, ops_cold);
       f.end_live = live_bytes;
-      status = subject->TrimAll();
-      const std::uint64_t reserved = subject->Reserved();
-      f.trim_residual = reserved > live_bytes ? reserved - live_bytes : 0;
+      status = trim_point();
     }
     if (subject != nullptr) {
       for (auto& [ptr, l] : live) {
-        if (!l.first.is_null()) status.Update(subject->Free(l.first));
+        if (!l.ptr.is_null()) status.Update(subject->Free(l.ptr));
       }
     }
     subject.reset();
@@ -314,6 +392,8 @@ absl::Status LoadWorkloads() {
   MultiModelChurnOptions churn;
   churn.cycles = g_quick ? 20 : 100;
   w.push_back({"churn", MultiModelChurn(churn)});
+  churn.trim_after_unload = false;
+  w.push_back({"churn-no-trim", MultiModelChurn(churn)});
   LlmServingOptions llm;
   if (g_quick) llm.requests = 8;
   w.push_back({"llm-serving", LlmServing(llm)});
@@ -397,6 +477,12 @@ void BM_Fragmentation(benchmark::State& state, Impl impl,
     state.counters["peak_live_bytes"] = static_cast<double>(f.peak_live);
     state.counters["trim_residual_bytes"] =
         static_cast<double>(f.trim_residual);
+    state.counters["trim_residual_granules_per_stream"] =
+        f.trim_residual_granules_per_stream;
+    state.counters["physical_allocs_cold"] =
+        static_cast<double>(f.physical_allocs_cold);
+    state.counters["physical_allocs_per_1k_ops_warm"] =
+        f.PhysicalAllocsPer1kWarm();
     state.counters["ooms"] = static_cast<double>(f.ooms);
     if (!g_quick) {
       absl::StatusOr<std::uint64_t> frontier =
@@ -431,11 +517,14 @@ std::string Gib(std::uint64_t b) {
 void PrintTable() {
   absl::MutexLock lock(&g_rows_mu);
   std::printf(
-      "\nFragmentation: peak reserved / peak live, reserved after trim - "
-      "live, OOM frontier (GiB)\n");
-  std::printf("%-38s %-11s %9s %9s %8s %10s %10s %8s\n", "workload", "impl",
-              "peak live", "peak res", "res/live", "trim resid", "frontier",
-              "fit 24GB");
+      "\nFragmentation: peak reserved / peak live; after trimming at the trim "
+      "points (max):\nreserved - live and that in 2 MiB granules per active "
+      "stream; physical allocations\n(cuMemAlloc + cuMemCreate) in the first "
+      "half of the ops and per 1000 ops in the\nsecond; OOM frontier. Sizes "
+      "in GiB.\n");
+  std::printf("%-38s %-11s %9s %9s %8s %10s %8s %8s %8s %9s %8s\n", "workload",
+              "impl", "peak live", "peak res", "res/live", "trim resid",
+              "gran/str", "phys 1st", "phys/1k", "frontier", "fit 24GB");
   std::string last;
   for (const auto& [key, row] : Rows()) {
     const std::string& w = key.first;
@@ -445,13 +534,16 @@ void PrintTable() {
                   row.unsupported ? "unsupported" : "error");
     } else {
       const ReplayFigures& f = row.figures;
-      std::printf("%-38s %-11s %9s %9s %8.3f %10s %10s %8s\n",
+      std::printf("%-38s %-11s %9s %9s %8.3f %10s %8.3f %8llu %8.2f %9s %8s\n",
                   w == last ? "" : w.c_str(), impl, Gib(f.peak_live).c_str(),
                   Gib(f.peak_reserved).c_str(),
                   f.peak_live ? static_cast<double>(f.peak_reserved) /
                                     static_cast<double>(f.peak_live)
                               : 0.0,
                   Gib(f.trim_residual).c_str(),
+                  f.trim_residual_granules_per_stream,
+                  static_cast<unsigned long long>(f.physical_allocs_cold),
+                  f.PhysicalAllocsPer1kWarm(),
                   row.frontier ? Gib(*row.frontier).c_str() : "-",
                   row.models_fit ? absl::StrCat(*row.models_fit).c_str() : "-");
     }
