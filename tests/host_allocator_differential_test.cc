@@ -7,7 +7,6 @@
 // CTXPOOL_DIFF_SEED the seed.
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <map>
@@ -17,6 +16,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "alloc_test_support.h"
 #include "ctxpool/alloc/host_allocator.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "gtest/gtest.h"
@@ -24,11 +24,8 @@
 namespace ctxpool {
 namespace {
 
-std::uint64_t EnvOr(const char* name, std::uint64_t fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  return std::strtoull(v, nullptr, 10);
-}
+using testing_internal::StreamModel;
+using testing_internal::Waits;
 
 struct LiveBuffer {
   std::size_t requested = 0;
@@ -38,28 +35,20 @@ struct LiveBuffer {
   std::uint64_t tag = 0;
 };
 
-// Streams a freed buffer waits for: (stream, release epoch at free time).
-using Waits = std::vector<std::pair<int, std::uint64_t>>;
-
 TEST(HostAllocatorDifferential, RandomOperationsMatchTheModel) {
-  const std::uint64_t ops = EnvOr("CTXPOOL_DIFF_OPS", 100000);
-  const std::uint64_t seed = EnvOr("CTXPOOL_DIFF_SEED", 20240607);
-  std::mt19937_64 rng(seed);
-  SCOPED_TRACE(testing::Message() << "seed " << seed << ", ops " << ops);
-
-  auto sim = SimDriver::Create();
-  ContextHandle ctx = *sim->PrimaryCtxRetain(0);
-  ASSERT_TRUE(sim->CtxSetCurrent(ctx).ok());
+  testing_internal::DifferentialSetup setup(/*default_ops=*/100000,
+                                            /*default_seed=*/20240607);
+  SCOPED_TRACE(setup.Trace());
+  const std::uint64_t ops = setup.ops;
+  std::mt19937_64& rng = setup.rng;
+  SimDriver* sim = setup.sim.get();
+  const ContextHandle ctx = setup.ctx;
   constexpr int kStreams = 4;
-  std::vector<StreamHandle> streams;
+  StreamModel model(*sim, kStreams);
   std::vector<DevicePtr> copy_target;  // per stream: no cross-stream races
   for (int i = 0; i < kStreams; ++i) {
-    streams.push_back(*sim->StreamCreate(kStreamNonBlocking, 0));
     copy_target.push_back(*sim->MemAlloc(4096));
   }
-  std::vector<bool> held(kStreams, false);
-  std::vector<bool> busy(kStreams, false);  // held with pending work
-  std::vector<std::uint64_t> epoch(kStreams, 0);
 
   HostAllocatorOptions options;
   options.context = ctx;
@@ -80,16 +69,10 @@ TEST(HostAllocatorDifferential, RandomOperationsMatchTheModel) {
   std::uint64_t hits = 0, budget_failures = 0, reuses_checked = 0;
 
   auto use = [&](int s) {
-    if (held[s]) {
-      ASSERT_TRUE(sim->Touch(streams[s], copy_target[s], 64).ok());
-      busy[s] = true;
+    if (model.held(s)) {
+      ASSERT_TRUE(sim->Touch(model.stream(s), copy_target[s], 64).ok());
+      model.MarkUsed(s);
     }
-  };
-  auto release = [&](int s) {
-    sim->Release(streams[s]);
-    held[s] = false;
-    busy[s] = false;
-    ++epoch[s];
   };
 
   for (std::uint64_t op = 0; op < ops; ++op) {
@@ -97,7 +80,7 @@ TEST(HostAllocatorDifferential, RandomOperationsMatchTheModel) {
     if (r < 450 || live.empty()) {  // Allocate
       const std::size_t bytes = sizes[rng() % sizes.size()];
       const int s = static_cast<int>(rng() % kStreams);
-      absl::StatusOr<void*> p = alloc->Allocate(bytes, streams[s]);
+      absl::StatusOr<void*> p = alloc->Allocate(bytes, model.stream(s));
       if (!p.ok()) {
         ASSERT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted)
             << p.status();
@@ -117,11 +100,7 @@ TEST(HostAllocatorDifferential, RandomOperationsMatchTheModel) {
       }
       // Reuse only after the streams that used it finished that work.
       if (auto f = freed.find(a); f != freed.end()) {
-        for (const auto& [ws, e] : f->second) {
-          ASSERT_GT(epoch[ws], e)
-              << "buffer reused while stream " << ws
-              << " may still copy from it (op " << op << ")";
-        }
+        ASSERT_TRUE(model.ReuseIsSafe(f->second)) << "buffer, op " << op;
         ++reuses_checked;
         freed.erase(f);
       }
@@ -139,13 +118,9 @@ TEST(HostAllocatorDifferential, RandomOperationsMatchTheModel) {
         std::memcpy(&tag, reinterpret_cast<void*>(it->first), 8);
         ASSERT_EQ(tag, it->second.tag) << "buffer overwritten";
       }
-      Waits waits;
-      if (busy[it->second.stream]) {
-        waits.emplace_back(it->second.stream, epoch[it->second.stream]);
-      }
-      for (int o : it->second.recorded) {
-        if (busy[o]) waits.emplace_back(o, epoch[o]);
-      }
+      std::vector<int> used = it->second.recorded;
+      used.push_back(it->second.stream);
+      Waits waits = model.BusyAmong(used);
       ASSERT_TRUE(alloc->Deallocate(reinterpret_cast<void*>(it->first)).ok());
       freed[it->first] = std::move(waits);
       model_bytes -= it->second.size;
@@ -155,19 +130,14 @@ TEST(HostAllocatorDifferential, RandomOperationsMatchTheModel) {
       auto it = live.begin();
       std::advance(it, rng() % live.size());
       const int o = static_cast<int>(rng() % kStreams);
-      ASSERT_TRUE(
-          alloc->RecordStream(reinterpret_cast<void*>(it->first), streams[o])
-              .ok());
+      ASSERT_TRUE(alloc
+                      ->RecordStream(reinterpret_cast<void*>(it->first),
+                                     model.stream(o))
+                      .ok());
       if (o != it->second.stream) it->second.recorded.push_back(o);
       use(o);
     } else if (r < 975) {  // Hold or release a stream
-      const int s = static_cast<int>(rng() % kStreams);
-      if (held[s]) {
-        release(s);
-      } else {
-        sim->Hold(streams[s]);
-        held[s] = true;
-      }
+      model.ToggleHold(static_cast<int>(rng() % kStreams));
     } else if (r < 985) {  // Bad free: a freed buffer or an interior pointer
       void* bad = nullptr;
       if (!freed.empty() && (rng() & 1)) {
@@ -195,7 +165,7 @@ TEST(HostAllocatorDifferential, RandomOperationsMatchTheModel) {
       hits = static_cast<std::uint64_t>(st.cache_hits);
     }
   }
-  for (int s = 0; s < kStreams; ++s) release(s);
+  model.ReleaseAll();
   for (const auto& [a, b] : live) {
     ASSERT_TRUE(alloc->Deallocate(reinterpret_cast<void*>(a)).ok());
   }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "alloc_test_support.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "gtest/gtest.h"
 
@@ -370,41 +371,120 @@ TEST_F(HostAllocatorTest, RetainsAndReleasesThePrimaryContext) {
 
 TEST_F(HostAllocatorTest, MultithreadedSmoke) {
   Make();
-  constexpr int kThreads = 4;
-  std::vector<StreamHandle> streams;
-  for (int t = 0; t < kThreads; ++t) {
-    streams.push_back(*sim_->StreamCreate(kStreamNonBlocking, 0));
-  }
-  std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      ASSERT_TRUE(sim_->CtxSetCurrent(ctx_).ok());
-      std::vector<void*> mine;
-      std::uint64_t x = 12345 + t;
-      for (int i = 0; i < 2000; ++i) {
-        x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-        if (mine.size() < 8 && (x >> 60) < 10) {
-          const std::size_t bytes = 64 << ((x >> 40) % 10);
-          absl::StatusOr<void*> p = alloc_->Allocate(bytes, streams[t]);
-          ASSERT_TRUE(p.ok()) << p.status();
-          std::memset(*p, t, bytes);
-          mine.push_back(*p);
-        } else if (!mine.empty()) {
-          void* p = mine.back();
-          mine.pop_back();
-          ASSERT_EQ(*static_cast<unsigned char*>(p), t);
-          ASSERT_TRUE(alloc_->Deallocate(p).ok());
+  std::vector<StreamHandle> streams = testing_internal::RunOnThreads(
+      *sim_, ctx_, /*num_threads=*/4, [&](int t, StreamHandle stream) {
+        std::vector<void*> mine;
+        std::uint64_t x = 12345 + t;
+        for (int i = 0; i < 2000; ++i) {
+          x = testing_internal::NextLcg(x);
+          if (mine.size() < 8 && (x >> 60) < 10) {
+            const std::size_t bytes = 64 << ((x >> 40) % 10);
+            absl::StatusOr<void*> p = alloc_->Allocate(bytes, stream);
+            ASSERT_TRUE(p.ok()) << p.status();
+            std::memset(*p, t, bytes);
+            mine.push_back(*p);
+          } else if (!mine.empty()) {
+            void* p = mine.back();
+            mine.pop_back();
+            ASSERT_EQ(*static_cast<unsigned char*>(p), t);
+            ASSERT_TRUE(alloc_->Deallocate(p).ok());
+          }
         }
-      }
-      for (void* p : mine) ASSERT_TRUE(alloc_->Deallocate(p).ok());
-    });
-  }
-  for (auto& th : threads) th.join();
+        for (void* p : mine) ASSERT_TRUE(alloc_->Deallocate(p).ok());
+      });
   EXPECT_TRUE(alloc_->CheckInvariants().ok());
   EXPECT_EQ(alloc_->Stats().live_count, 0u);
   EXPECT_TRUE(alloc_->Trim(0).ok());
   EXPECT_EQ(alloc_->Stats().pinned_bytes, 0u);
   for (StreamHandle s : streams) EXPECT_TRUE(sim_->StreamDestroy(s).ok());
+}
+
+// Runs in the forked child: every call fails with the fork error and makes
+// no driver call; destruction leaks the parent's pinned buffers, events and
+// context reference. Returns 0 or the number of the first failed check.
+int HostChildChecks(SimDriver& sim, ContextHandle ctx,
+                    std::unique_ptr<CachingHostAllocator> alloc, void* live,
+                    void* registered, StreamHandle stream) {
+  const std::uint64_t calls = testing_internal::TotalDriverCalls(sim);
+  const int refs = sim.primary_ctx_refcount(0);
+  const HostAllocatorStats before = alloc->Stats();
+  static char other[4096];
+  if (int bad = testing_internal::FirstNonForkError({
+          {alloc->Allocate(64, stream).status(),
+           "CachingHostAllocator::Allocate"},
+          {alloc->Deallocate(live), "CachingHostAllocator::Deallocate"},
+          {alloc->RecordStream(live, stream),
+           "CachingHostAllocator::RecordStream"},
+          {alloc->Trim(0).status(), "CachingHostAllocator::Trim"},
+          {alloc->Reset(/*force=*/true), "CachingHostAllocator::Reset"},
+          {alloc->Register(other, sizeof(other)),
+           "CachingHostAllocator::Register"},
+          {alloc->Unregister(registered), "CachingHostAllocator::Unregister"},
+          {alloc->CheckInvariants(), "CachingHostAllocator::CheckInvariants"},
+      });
+      bad != 0) {
+    return bad;  // 1..8
+  }
+  if (alloc->IsRegistered(registered)) return 9;
+  const HostAllocatorStats after = alloc->Stats();
+  if (after.live_count != before.live_count ||
+      after.pending_count != before.pending_count ||
+      after.cached_count != before.cached_count ||
+      after.num_allocs != before.num_allocs) {
+    return 10;  // a refused call changed the bookkeeping
+  }
+  // Leaks: no cuMemFreeHost, cuEventDestroy or context release.
+  if (int bad = testing_internal::NoDriverCallThroughDestruction(
+          sim, calls, refs, [&] { alloc.reset(); });
+      bad != 0) {
+    return 10 + bad;  // 11..13
+  }
+  // An allocator created in the child (after the fork) works.
+  auto fresh = CachingHostAllocator::Create(sim, {.context = ctx});
+  if (!fresh.ok()) return 14;
+  absl::StatusOr<void*> p = (*fresh)->Allocate(64, stream);
+  if (!p.ok() || !(*fresh)->Deallocate(*p).ok()) return 15;
+  return 0;
+}
+
+TEST_F(HostAllocatorTest, ForkedChildGetsFailedPreconditionAndLeaks) {
+  // Retains device 0's primary context, so a release would show.
+  alloc_ = *CachingHostAllocator::Create(*sim_);
+  // A pooled event, so a cuEventDestroy at destruction would show.
+  sim_->Hold(s2_);
+  void* first = *alloc_->Allocate(4096, s2_);
+  Copy(s2_);
+  ASSERT_TRUE(alloc_->Deallocate(first).ok());
+  sim_->Release(s2_);
+  ASSERT_TRUE(alloc_->Trim(0).ok());  // polls: the event goes to the pool
+  ASSERT_EQ(alloc_->Stats().events_recorded, 1);
+  void* live = *alloc_->Allocate(1000, s1_);
+  // A pending buffer (its event stays with the parent) and a cached one.
+  sim_->Hold(s2_);
+  void* pending = *alloc_->Allocate(4096, s2_);
+  Copy(s2_);
+  ASSERT_TRUE(alloc_->Deallocate(pending).ok());
+  ASSERT_TRUE(alloc_->Deallocate(*alloc_->Allocate(64, s1_)).ok());
+  static char weights[8192];
+  ASSERT_TRUE(alloc_->Register(weights, sizeof(weights)).ok());
+  ASSERT_EQ(alloc_->Stats().pending_count, 1u);
+  const std::uint64_t parent_calls = testing_internal::TotalDriverCalls(*sim_);
+
+  const int code = testing_internal::RunInForkedChild([&] {
+    return HostChildChecks(*sim_, ctx_, std::move(alloc_), live, weights, s1_);
+  });
+  EXPECT_EQ(code, 0) << "check " << code << " failed in the child";
+
+  // The parent's allocator is untouched and keeps working.
+  ASSERT_NE(alloc_, nullptr);
+  EXPECT_EQ(testing_internal::TotalDriverCalls(*sim_), parent_calls);
+  EXPECT_TRUE(alloc_->IsRegistered(weights));
+  EXPECT_TRUE(alloc_->Deallocate(live).ok());
+  sim_->Release(s2_);
+  EXPECT_TRUE(alloc_->Unregister(weights).ok());
+  EXPECT_TRUE(alloc_->Reset().ok());
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  EXPECT_EQ(alloc_->Stats().pinned_bytes, 0u);
 }
 
 }  // namespace

@@ -8,7 +8,6 @@
 // CTXPOOL_DIFF_SEED the seed.
 #include <array>
 #include <cstdint>
-#include <cstdlib>
 #include <iterator>
 #include <map>
 #include <memory>
@@ -18,6 +17,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
+#include "alloc_test_support.h"
 #include "ctxpool/alloc/slab_allocator.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "gtest/gtest.h"
@@ -25,11 +25,8 @@
 namespace ctxpool {
 namespace {
 
-std::uint64_t EnvOr(const char* name, std::uint64_t fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  return std::strtoull(v, nullptr, 10);
-}
+using testing_internal::StreamModel;
+using testing_internal::Waits;
 
 struct LiveObject {
   std::size_t bytes = 0;
@@ -38,24 +35,16 @@ struct LiveObject {
   std::vector<int> recorded;
 };
 
-using Waits = std::vector<std::pair<int, std::uint64_t>>;
-
 TEST(SlabAllocatorDifferential, RandomOperationsMatchTheModel) {
-  const std::uint64_t ops = EnvOr("CTXPOOL_DIFF_OPS", 200000);
-  const std::uint64_t seed = EnvOr("CTXPOOL_DIFF_SEED", 777);
-  std::mt19937_64 rng(seed);
-  SCOPED_TRACE(testing::Message() << "seed " << seed << ", ops " << ops);
-
-  auto sim = SimDriver::Create();
-  ContextHandle ctx = *sim->PrimaryCtxRetain(0);
-  ASSERT_TRUE(sim->CtxSetCurrent(ctx).ok());
+  testing_internal::DifferentialSetup setup(/*default_ops=*/200000,
+                                            /*default_seed=*/777);
+  SCOPED_TRACE(setup.Trace());
+  const std::uint64_t ops = setup.ops;
+  std::mt19937_64& rng = setup.rng;
+  SimDriver* sim = setup.sim.get();
+  const ContextHandle ctx = setup.ctx;
   constexpr int kStreams = 3;
-  std::vector<StreamHandle> streams;
-  for (int i = 0; i < kStreams; ++i) {
-    streams.push_back(*sim->StreamCreate(kStreamNonBlocking, 0));
-  }
-  std::vector<bool> held(kStreams, false), busy(kStreams, false);
-  std::vector<std::uint64_t> epoch(kStreams, 0);
+  StreamModel model(*sim, kStreams);
 
   DeviceAllocatorOptions dopt;
   dopt.context = ctx;
@@ -74,15 +63,9 @@ TEST(SlabAllocatorDifferential, RandomOperationsMatchTheModel) {
   std::uint64_t reuses_checked = 0;
 
   auto touch = [&](int s, DevicePtr p, std::size_t bytes) {
-    ASSERT_TRUE(sim->Touch(streams[s], p, bytes == 0 ? 1 : bytes).ok())
+    ASSERT_TRUE(sim->Touch(model.stream(s), p, bytes == 0 ? 1 : bytes).ok())
         << "object " << p.address();
-    if (held[s]) busy[s] = true;
-  };
-  auto release = [&](int s) {
-    sim->Release(streams[s]);
-    held[s] = false;
-    busy[s] = false;
-    ++epoch[s];
+    model.MarkUsed(s);
   };
 
   for (std::uint64_t op = 0; op < ops; ++op) {
@@ -93,7 +76,7 @@ TEST(SlabAllocatorDifferential, RandomOperationsMatchTheModel) {
           static_cast<int>(rng() % 100 < 85 ? rng() % 8 : rng() % 17);
       const std::size_t bytes = rng() % ((std::size_t{1} << shift) + 1);
       const int s = static_cast<int>(rng() % kStreams);
-      absl::StatusOr<DevicePtr> p = slabs->Allocate(bytes, streams[s]);
+      absl::StatusOr<DevicePtr> p = slabs->Allocate(bytes, model.stream(s));
       ASSERT_TRUE(p.ok()) << p.status();
       const int cls = SlabClassIndex(bytes);
       const std::uint64_t a = p->address();
@@ -108,10 +91,7 @@ TEST(SlabAllocatorDifferential, RandomOperationsMatchTheModel) {
         ASSERT_LE(prev->first + SlabClassBytes(prev->second.cls), a);
       }
       if (auto f = freed.find(a); f != freed.end()) {
-        for (const auto& [ws, e] : f->second) {
-          ASSERT_GT(epoch[ws], e) << "object reused while stream " << ws
-                                  << " may still use it (op " << op << ")";
-        }
+        ASSERT_TRUE(model.ReuseIsSafe(f->second)) << "object, op " << op;
         ++reuses_checked;
         freed.erase(f);
       }
@@ -121,10 +101,7 @@ TEST(SlabAllocatorDifferential, RandomOperationsMatchTheModel) {
     } else if (r < 900) {  // Deallocate
       auto it = live.begin();
       std::advance(it, rng() % std::min<std::size_t>(live.size(), 32));
-      Waits waits;
-      for (int o : it->second.recorded) {
-        if (busy[o]) waits.emplace_back(o, epoch[o]);
-      }
+      Waits waits = model.BusyAmong(it->second.recorded);
       ASSERT_TRUE(slabs->Deallocate(DevicePtr(it->first)).ok());
       freed[it->first] = std::move(waits);
       --model_live[it->second.cls];
@@ -133,7 +110,8 @@ TEST(SlabAllocatorDifferential, RandomOperationsMatchTheModel) {
       auto it = live.begin();
       std::advance(it, rng() % live.size());
       const int o = static_cast<int>(rng() % kStreams);
-      ASSERT_TRUE(slabs->RecordStream(DevicePtr(it->first), streams[o]).ok());
+      ASSERT_TRUE(
+          slabs->RecordStream(DevicePtr(it->first), model.stream(o)).ok());
       if (o != it->second.stream) {
         it->second.recorded.push_back(o);
         // The other stream's work on the object follows the work of the
@@ -145,20 +123,14 @@ TEST(SlabAllocatorDifferential, RandomOperationsMatchTheModel) {
         for (int b : before) {
           if (b == o) continue;
           EventHandle e = *sim->EventCreate(kEventDisableTiming);
-          ASSERT_TRUE(sim->EventRecord(e, streams[b]).ok());
-          ASSERT_TRUE(sim->StreamWaitEvent(streams[o], e).ok());
+          ASSERT_TRUE(sim->EventRecord(e, model.stream(b)).ok());
+          ASSERT_TRUE(sim->StreamWaitEvent(model.stream(o), e).ok());
           ASSERT_TRUE(sim->EventDestroy(e).ok());
         }
         touch(o, DevicePtr(it->first), it->second.bytes);
       }
     } else if (r < 975) {  // Hold or release a stream
-      const int s = static_cast<int>(rng() % kStreams);
-      if (held[s]) {
-        release(s);
-      } else {
-        sim->Hold(streams[s]);
-        held[s] = true;
-      }
+      model.ToggleHold(static_cast<int>(rng() % kStreams));
     } else if (r < 990) {  // Bad frees
       const auto& [a, obj] = *live.begin();
       DevicePtr bad = rng() % 2 == 0 && SlabClassBytes(obj.cls) > 8
@@ -189,7 +161,7 @@ TEST(SlabAllocatorDifferential, RandomOperationsMatchTheModel) {
       ASSERT_EQ(st.slab_bytes_held, st.slabs_held * sopt.slab_bytes);
     }
   }
-  for (int s = 0; s < kStreams; ++s) release(s);
+  model.ReleaseAll();
   for (const auto& [a, obj] : live) {
     ASSERT_TRUE(slabs->Deallocate(DevicePtr(a)).ok());
   }

@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "alloc_test_support.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "gtest/gtest.h"
 
@@ -320,37 +321,99 @@ TEST_F(SlabAllocatorTest, DestructorReturnsEverything) {
 
 TEST_F(SlabAllocatorTest, MultithreadedSmoke) {
   Make();
-  constexpr int kThreads = 4;
-  std::vector<StreamHandle> streams;
-  for (int t = 0; t < kThreads; ++t) {
-    streams.push_back(*sim_->StreamCreate(kStreamNonBlocking, 0));
-  }
-  std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      ASSERT_TRUE(sim_->CtxSetCurrent(ctx_).ok());
-      std::vector<DevicePtr> mine;
-      std::uint64_t x = 777 + t;
-      for (int i = 0; i < 5000; ++i) {
-        x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-        if (mine.size() < 64 && (x >> 60) < 9) {
-          const std::size_t bytes = 8 << ((x >> 40) % 12);
-          absl::StatusOr<DevicePtr> p = slabs_->Allocate(bytes, streams[t]);
-          ASSERT_TRUE(p.ok()) << p.status();
-          ASSERT_TRUE(sim_->Touch(streams[t], *p, bytes).ok());
-          mine.push_back(*p);
-        } else if (!mine.empty()) {
-          ASSERT_TRUE(slabs_->Deallocate(mine.back()).ok());
-          mine.pop_back();
+  testing_internal::RunOnThreads(
+      *sim_, ctx_, /*num_threads=*/4, [&](int t, StreamHandle stream) {
+        std::vector<DevicePtr> mine;
+        std::uint64_t x = 777 + t;
+        for (int i = 0; i < 5000; ++i) {
+          x = testing_internal::NextLcg(x);
+          if (mine.size() < 64 && (x >> 60) < 9) {
+            const std::size_t bytes = 8 << ((x >> 40) % 12);
+            absl::StatusOr<DevicePtr> p = slabs_->Allocate(bytes, stream);
+            ASSERT_TRUE(p.ok()) << p.status();
+            ASSERT_TRUE(sim_->Touch(stream, *p, bytes).ok());
+            mine.push_back(*p);
+          } else if (!mine.empty()) {
+            ASSERT_TRUE(slabs_->Deallocate(mine.back()).ok());
+            mine.pop_back();
+          }
         }
-      }
-      for (DevicePtr p : mine) ASSERT_TRUE(slabs_->Deallocate(p).ok());
-    });
-  }
-  for (auto& th : threads) th.join();
+        for (DevicePtr p : mine) ASSERT_TRUE(slabs_->Deallocate(p).ok());
+      });
   EXPECT_TRUE(slabs_->CheckInvariants().ok()) << slabs_->CheckInvariants();
   EXPECT_EQ(slabs_->Stats().live_objects, 0u);
   ASSERT_TRUE(slabs_->Trim().ok());
+  EXPECT_EQ(DeviceAllocatedBytes(), 0);
+}
+
+// Runs in the forked child: every call fails with the fork error, calls
+// neither the driver nor the device allocator, and destruction returns no
+// slab. Returns 0 or the number of the first failed check.
+int SlabChildChecks(SimDriver& sim, const CachingDeviceAllocator& device,
+                    std::unique_ptr<SlabAllocator> slabs, DevicePtr live,
+                    StreamHandle stream) {
+  const std::uint64_t calls = testing_internal::TotalDriverCalls(sim);
+  const int refs = sim.primary_ctx_refcount(0);
+  const int agg = static_cast<int>(StatPool::kAggregate);
+  const PoolStats device_before = device.Stats().total;
+  const SlabAllocatorStats before = slabs->Stats();
+  if (int bad = testing_internal::FirstNonForkError({
+          {slabs->Allocate(64, stream).status(), "SlabAllocator::Allocate"},
+          {slabs->Deallocate(live), "SlabAllocator::Deallocate"},
+          {slabs->RecordStream(live, stream), "SlabAllocator::RecordStream"},
+          {slabs->Trim().status(), "SlabAllocator::Trim"},
+          {slabs->Reset(/*force=*/true), "SlabAllocator::Reset"},
+          {slabs->CheckInvariants(), "SlabAllocator::CheckInvariants"},
+      });
+      bad != 0) {
+    return bad;  // 1..6
+  }
+  if (slabs->Stats().live_objects != before.live_objects ||
+      slabs->Stats().pending_objects != before.pending_objects ||
+      slabs->Stats().slabs_held != before.slabs_held) {
+    return 7;  // a refused call changed the bookkeeping
+  }
+  // Leaks: no slab returned, no cuEventDestroy, no context release.
+  if (int bad = testing_internal::NoDriverCallThroughDestruction(
+          sim, calls, refs, [&] { slabs.reset(); });
+      bad != 0) {
+    return 7 + bad;  // 8..10
+  }
+  const PoolStats device_after = device.Stats().total;
+  if (device_after.allocated_bytes[agg].current !=
+          device_before.allocated_bytes[agg].current ||
+      device_after.allocation[agg].current !=
+          device_before.allocation[agg].current) {
+    return 11;  // the device allocator was called
+  }
+  return 0;
+}
+
+TEST_F(SlabAllocatorTest, ForkedChildGetsFailedPreconditionAndLeaks) {
+  // Retains device 0's primary context, so a release would show.
+  slabs_ = *SlabAllocator::Create(*device_);
+  DevicePtr live = *slabs_->Allocate(64, s1_);
+  // A pending object: recorded on a held stream with work on it.
+  DevicePtr pending = *slabs_->Allocate(128, s1_);
+  ASSERT_TRUE(slabs_->RecordStream(pending, s2_).ok());
+  sim_->Hold(s2_);
+  ASSERT_TRUE(sim_->Touch(s2_, pending, 128).ok());
+  ASSERT_TRUE(slabs_->Deallocate(pending).ok());
+  ASSERT_EQ(slabs_->Stats().pending_objects, 1u);
+  const std::uint64_t parent_calls = testing_internal::TotalDriverCalls(*sim_);
+
+  const int code = testing_internal::RunInForkedChild([&] {
+    return SlabChildChecks(*sim_, *device_, std::move(slabs_), live, s1_);
+  });
+  EXPECT_EQ(code, 0) << "check " << code << " failed in the child";
+
+  // The parent's allocator is untouched and keeps working.
+  ASSERT_NE(slabs_, nullptr);
+  EXPECT_EQ(testing_internal::TotalDriverCalls(*sim_), parent_calls);
+  EXPECT_TRUE(slabs_->Deallocate(live).ok());
+  sim_->Release(s2_);
+  EXPECT_TRUE(slabs_->Reset().ok());
+  EXPECT_TRUE(slabs_->CheckInvariants().ok());
   EXPECT_EQ(DeviceAllocatedBytes(), 0);
 }
 

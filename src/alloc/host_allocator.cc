@@ -12,11 +12,12 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/inlined_vector.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "ctxpool/context/fork_guard.h"
+#include "pending_frees.h"
 
 namespace ctxpool {
 namespace {
@@ -35,7 +36,7 @@ struct HostBlock {
   // buffer waits for a context synchronise at Reset.
   bool needs_sync = false;
   absl::InlinedVector<StreamHandle, 2> streams;  // RecordStream'd, not `stream`
-  absl::InlinedVector<EventHandle, 2> events;    // while pending
+  alloc_internal::EventList events;              // while pending
   HostBlock* next_free = nullptr;                // free list of its class
 };
 
@@ -61,10 +62,13 @@ class CachingHostAllocator::Impl {
         classes_(options.classes_per_doubling),
         ctx_(ctx),
         retained_(retained),
-        free_heads_(static_cast<std::size_t>(classes_.num_classes()), nullptr) {
-  }
+        free_heads_(static_cast<std::size_t>(classes_.num_classes()), nullptr),
+        events_(driver) {}
 
   ~Impl() {
+    // In a forked child the pinned buffers, events and context belong to the
+    // parent's driver state: touch none of it, leak it.
+    if (fork_guard_.InForkedChild()) return;
     Reset(/*force=*/true).IgnoreError();
     std::vector<std::uintptr_t> regs;
     {
@@ -75,7 +79,7 @@ class CachingHostAllocator::Impl {
       Unregister(reinterpret_cast<void*>(a)).IgnoreError();
     }
     ScopedContext guard(driver_, ctx_);
-    for (EventHandle e : event_pool_) driver_.EventDestroy(e).IgnoreError();
+    events_.DestroyPooled();
     if (retained_) driver_.PrimaryCtxRelease(options_.device).IgnoreError();
   }
 
@@ -87,6 +91,8 @@ class CachingHostAllocator::Impl {
 
   absl::StatusOr<void*> Allocate(std::size_t bytes, StreamHandle stream)
       ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingHostAllocator::Allocate"));
     if (bytes > options_.max_request_bytes) {
       absl::MutexLock lock(&mu_);
       ++invalid_requests_;
@@ -174,6 +180,8 @@ class CachingHostAllocator::Impl {
   }
 
   absl::Status Deallocate(void* ptr) noexcept ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingHostAllocator::Deallocate"));
     absl::MutexLock lock(&mu_);
     auto it = blocks_.find(Addr(ptr));
     if (it == blocks_.end() || it->second->state != HostBlockState::kLive) {
@@ -217,6 +225,8 @@ class CachingHostAllocator::Impl {
 
   absl::Status RecordStream(void* ptr, StreamHandle stream)
       ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingHostAllocator::RecordStream"));
     absl::MutexLock lock(&mu_);
     auto it = blocks_.find(Addr(ptr));
     if (it == blocks_.end() || it->second->state != HostBlockState::kLive) {
@@ -236,6 +246,7 @@ class CachingHostAllocator::Impl {
 
   absl::StatusOr<TrimResult> Trim(std::size_t keep_bytes)
       ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("CachingHostAllocator::Trim"));
     std::vector<std::unique_ptr<HostBlock>> to_free;
     TrimResult result;
     {
@@ -252,6 +263,7 @@ class CachingHostAllocator::Impl {
   }
 
   absl::Status Reset(bool force) ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("CachingHostAllocator::Reset"));
     std::vector<std::unique_ptr<HostBlock>> taken;
     bool any_needs_sync = false;
     {
@@ -303,8 +315,7 @@ class CachingHostAllocator::Impl {
     {
       absl::MutexLock lock(&mu_);
       for (auto& b : to_free) {
-        for (EventHandle e : b->events) event_pool_.push_back(e);
-        b->events.clear();
+        events_.Recycle(&b->events);
       }
       for (auto& b : keep) {  // still in use by a stream: stays pending
         b->state = HostBlockState::kPending;
@@ -320,6 +331,8 @@ class CachingHostAllocator::Impl {
   }
 
   absl::Status Register(void* ptr, std::size_t bytes) ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingHostAllocator::Register"));
     std::vector<std::unique_ptr<HostBlock>> to_free;
     absl::Status budget_error;
     {
@@ -372,6 +385,8 @@ class CachingHostAllocator::Impl {
   }
 
   absl::Status Unregister(void* ptr) ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingHostAllocator::Unregister"));
     std::size_t bytes = 0;
     {
       absl::MutexLock lock(&mu_);
@@ -404,6 +419,7 @@ class CachingHostAllocator::Impl {
 
   bool IsRegistered(const void* ptr, std::size_t bytes) const
       ABSL_LOCKS_EXCLUDED(mu_) {
+    if (fork_guard_.InForkedChild()) return false;  // the parent's pins
     absl::MutexLock lock(&mu_);
     auto it = registrations_.upper_bound(Addr(ptr));
     if (it == registrations_.begin()) return false;
@@ -432,7 +448,7 @@ class CachingHostAllocator::Impl {
     s.cache_hits = cache_hits_;
     s.upstream_allocs = upstream_allocs_;
     s.upstream_frees = upstream_frees_;
-    s.events_recorded = events_recorded_;
+    s.events_recorded = events_.recorded();
     s.num_trims = num_trims_;
     s.num_budget_failures = num_budget_failures_;
     s.num_ooms = num_ooms_;
@@ -467,6 +483,8 @@ class CachingHostAllocator::Impl {
   }
 
   absl::Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingHostAllocator::CheckInvariants"));
     absl::MutexLock lock(&mu_);
     std::size_t live = 0, cached = 0, pending = 0, requested = 0;
     std::size_t nlive = 0, ncached = 0, npending = 0;
@@ -630,31 +648,11 @@ class CachingHostAllocator::Impl {
     ++cached_count_;
   }
 
-  // Deallocate: makes later reuse of `b` wait for the work now on `s`.
+  // Deallocate: makes later reuse of `b` wait for the work now on `s`; a
+  // stream neither queried nor given an event leaves `b` to a synchronise.
   void MarkStreamUse(HostBlock* b, StreamHandle s)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    absl::StatusOr<bool> idle = driver_.StreamQuery(s);
-    if (idle.ok() && *idle) return;
-    EventHandle e;
-    if (!event_pool_.empty()) {
-      e = event_pool_.back();
-      event_pool_.pop_back();
-    } else {
-      absl::StatusOr<EventHandle> created =
-          driver_.EventCreate(kEventDisableTiming);
-      if (!created.ok()) {
-        b->needs_sync = true;
-        return;
-      }
-      e = *created;
-    }
-    if (!driver_.EventRecord(e, s).ok()) {
-      event_pool_.push_back(e);
-      b->needs_sync = true;
-      return;
-    }
-    ++events_recorded_;
-    b->events.push_back(e);
+    if (!events_.MarkStreamUse(s, &b->events)) b->needs_sync = true;
   }
 
   // Moves pending blocks whose events completed to the free lists. With
@@ -683,14 +681,7 @@ class CachingHostAllocator::Impl {
 
   // True when every event of pending `b` completed (they go back to the pool).
   bool EventsComplete(HostBlock* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (b->needs_sync) return false;
-    while (!b->events.empty()) {
-      absl::StatusOr<bool> done = driver_.EventQuery(b->events.back());
-      if (!done.ok() || !*done) return false;
-      event_pool_.push_back(b->events.back());
-      b->events.pop_back();
-    }
-    return true;
+    return !b->needs_sync && events_.Complete(&b->events);
   }
 
   // Removes cached blocks, largest class first, until at most `keep_bytes`
@@ -739,6 +730,7 @@ class CachingHostAllocator::Impl {
   const HostSizeClasses classes_;
   const ContextHandle ctx_;
   const bool retained_;
+  const ForkGuard fork_guard_;  // after fork(): every call fails
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::uintptr_t, std::unique_ptr<HostBlock>> blocks_
@@ -746,7 +738,7 @@ class CachingHostAllocator::Impl {
   absl::btree_map<std::uintptr_t, std::size_t> ranges_ ABSL_GUARDED_BY(mu_);
   std::vector<HostBlock*> free_heads_ ABSL_GUARDED_BY(mu_);
   std::vector<HostBlock*> pending_ ABSL_GUARDED_BY(mu_);  // oldest first
-  std::vector<EventHandle> event_pool_ ABSL_GUARDED_BY(mu_);
+  alloc_internal::PendingEvents events_ ABSL_GUARDED_BY(mu_);
   absl::btree_map<std::uintptr_t, Registration> registrations_
       ABSL_GUARDED_BY(mu_);
 
@@ -765,7 +757,6 @@ class CachingHostAllocator::Impl {
   std::int64_t cache_hits_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t upstream_allocs_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t upstream_frees_ ABSL_GUARDED_BY(mu_) = 0;
-  std::int64_t events_recorded_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t num_trims_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t num_budget_failures_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t num_ooms_ ABSL_GUARDED_BY(mu_) = 0;

@@ -15,6 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "ctxpool/context/fork_guard.h"
+#include "pending_frees.h"
 
 namespace ctxpool {
 
@@ -52,7 +54,7 @@ struct StreamSlabs {
 struct PendingObject {
   Slab* slab = nullptr;
   std::uint32_t slot = 0;
-  absl::InlinedVector<EventHandle, 2> events;
+  alloc_internal::EventList events;
 };
 
 }  // namespace
@@ -65,16 +67,20 @@ class SlabAllocator::Impl {
         driver_(device.driver()),
         options_(std::move(options)),
         ctx_(ctx),
-        retained_(retained) {
+        retained_(retained),
+        events_(driver_) {
     for (int c = 0; c < kNumSlabClasses; ++c) {
       class_stats_[c].object_bytes = SlabClassBytes(c);
     }
   }
 
   ~Impl() {
+    // In a forked child the slabs (the device allocator's blocks), events and
+    // context belong to the parent's driver state: touch none of it, leak it.
+    if (fork_guard_.InForkedChild()) return;
     Reset(/*force=*/true).IgnoreError();
     ScopedContext guard(driver_, ctx_);
-    for (EventHandle e : event_pool_) driver_.EventDestroy(e).IgnoreError();
+    events_.DestroyPooled();
     if (retained_) driver_.PrimaryCtxRelease(device_.device()).IgnoreError();
   }
 
@@ -83,6 +89,7 @@ class SlabAllocator::Impl {
 
   absl::StatusOr<DevicePtr> Allocate(std::size_t bytes, StreamHandle stream)
       ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("SlabAllocator::Allocate"));
     if (bytes > kSlabMaxObjectBytes) {
       absl::MutexLock lock(&mu_);
       ++invalid_requests_;
@@ -134,6 +141,7 @@ class SlabAllocator::Impl {
   }
 
   absl::Status Deallocate(DevicePtr ptr) noexcept ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("SlabAllocator::Deallocate"));
     absl::MutexLock lock(&mu_);
     Slab* s = nullptr;
     std::uint32_t slot = 0;
@@ -167,6 +175,7 @@ class SlabAllocator::Impl {
 
   absl::Status RecordStream(DevicePtr ptr, StreamHandle stream)
       ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("SlabAllocator::RecordStream"));
     absl::MutexLock lock(&mu_);
     Slab* s = nullptr;
     std::uint32_t slot = 0;
@@ -183,6 +192,7 @@ class SlabAllocator::Impl {
   }
 
   absl::StatusOr<TrimResult> Trim() ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("SlabAllocator::Trim"));
     {
       absl::MutexLock lock(&mu_);
       ++num_trims_;
@@ -199,6 +209,7 @@ class SlabAllocator::Impl {
   }
 
   absl::Status Reset(bool force) ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("SlabAllocator::Reset"));
     std::vector<std::unique_ptr<Slab>> taken;
     std::vector<EventHandle> waits;
     {
@@ -223,9 +234,7 @@ class SlabAllocator::Impl {
     if (!error.ok()) return error;
     {
       absl::MutexLock lock(&mu_);
-      for (auto& [addr, p] : pending_) {
-        for (EventHandle e : p.events) event_pool_.push_back(e);
-      }
+      for (auto& [addr, p] : pending_) events_.Recycle(&p.events);
       pending_.clear();
       recorded_.clear();
       streams_.clear();
@@ -265,7 +274,7 @@ class SlabAllocator::Impl {
     st.slabs_returned = slabs_returned_;
     st.decay_returns = decay_returns_;
     st.num_trims = num_trims_;
-    st.events_recorded = events_recorded_;
+    st.events_recorded = events_.recorded();
     st.invalid_frees = invalid_frees_;
     st.invalid_requests = invalid_requests_;
     return st;
@@ -303,6 +312,8 @@ class SlabAllocator::Impl {
   }
 
   absl::Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("SlabAllocator::CheckInvariants"));
     absl::MutexLock lock(&mu_);
     std::array<SlabClassStats, kNumSlabClasses> sums{};
     std::size_t empty = 0;
@@ -525,30 +536,11 @@ class SlabAllocator::Impl {
   // Deallocate: makes the slot wait for the work now on `other`.
   void MarkStreamUse(bool have_context, StreamHandle other, PendingObject* p)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (have_context) {
-      absl::StatusOr<bool> idle = driver_.StreamQuery(other);
-      if (idle.ok() && *idle) return;
-      EventHandle e;
-      bool ok = true;
-      if (!event_pool_.empty()) {
-        e = event_pool_.back();
-        event_pool_.pop_back();
-      } else {
-        absl::StatusOr<EventHandle> created =
-            driver_.EventCreate(kEventDisableTiming);
-        ok = created.ok();
-        if (ok) e = *created;
-      }
-      if (ok && driver_.EventRecord(e, other).ok()) {
-        ++events_recorded_;
-        p->events.push_back(e);
-        return;
-      }
-      if (ok) event_pool_.push_back(e);
+    // Without an event, ordering the slab's stream after `other` cannot be
+    // done without a driver, so wait on the host (rare error path).
+    if (have_context && !events_.MarkStreamUse(other, &p->events)) {
+      driver_.StreamSynchronize(other).IgnoreError();
     }
-    // No event: order the slab's stream after `other` cannot be done
-    // without a driver, so wait on the host (rare error path).
-    if (have_context) driver_.StreamSynchronize(other).IgnoreError();
   }
 
   void PollPending(bool all) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -557,16 +549,7 @@ class SlabAllocator::Impl {
     if (!guard.status().ok()) return;
     std::vector<std::uint64_t> done;
     for (auto& [addr, p] : pending_) {
-      bool ready = true;
-      while (!p.events.empty()) {
-        absl::StatusOr<bool> q = driver_.EventQuery(p.events.back());
-        if (!q.ok() || !*q) {
-          ready = false;
-          break;
-        }
-        event_pool_.push_back(p.events.back());
-        p.events.pop_back();
-      }
+      const bool ready = events_.Complete(&p.events);
       if (ready) done.push_back(addr);
       if (!ready && !all) break;
     }
@@ -628,6 +611,7 @@ class SlabAllocator::Impl {
   const SlabAllocatorOptions options_;
   const ContextHandle ctx_;
   const bool retained_;
+  const ForkGuard fork_guard_;  // after fork(): every call fails
 
   mutable absl::Mutex mu_;
   absl::btree_map<std::uint64_t, std::unique_ptr<Slab>> slabs_
@@ -637,7 +621,7 @@ class SlabAllocator::Impl {
       recorded_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::uint64_t, PendingObject> pending_
       ABSL_GUARDED_BY(mu_);
-  std::vector<EventHandle> event_pool_ ABSL_GUARDED_BY(mu_);
+  alloc_internal::PendingEvents events_ ABSL_GUARDED_BY(mu_);
   std::array<SlabClassStats, kNumSlabClasses> class_stats_ ABSL_GUARDED_BY(mu_);
   std::size_t empty_slabs_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time next_decay_check_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
@@ -647,7 +631,6 @@ class SlabAllocator::Impl {
   std::int64_t slabs_returned_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t decay_returns_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t num_trims_ ABSL_GUARDED_BY(mu_) = 0;
-  std::int64_t events_recorded_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t invalid_frees_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t invalid_requests_ ABSL_GUARDED_BY(mu_) = 0;
 };

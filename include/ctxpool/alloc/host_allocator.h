@@ -54,6 +54,15 @@
 // Size 0: Allocate(0, s) returns a valid, unique 64 B buffer that must be
 // deallocated like any other.
 //
+// fork(): CUDA state does not survive fork. In a process forked after Create
+// every call that returns a Status fails with FAILED_PRECONDITION (as
+// DeviceContext's do: create the allocator in each worker after the fork)
+// and makes no driver call; IsRegistered is false there. Stats, Fragmentation
+// and RoundedSize still read the (copied) bookkeeping. The destructor in the
+// child frees nothing through the driver: it leaks the parent's pinned
+// buffers, events and context reference. Do not touch the parent's buffers
+// in the child: pinned pages may not be mapped there.
+//
 // Thread-safety: all methods are thread-safe (one absl::Mutex). A cache hit
 // in Allocate takes the lock once and makes no driver call unless buffers are
 // pending (then cuEventQuery on the oldest). Deallocate makes one cuStreamQuery
@@ -135,7 +144,7 @@ class CachingHostAllocator {
       Driver& driver, HostAllocatorOptions options = {});
 
   // Frees every pinned buffer (live ones too; it waits for pending events)
-  // and unregisters every registration.
+  // and unregisters every registration. In a forked child: no driver call.
   ~CachingHostAllocator();
 
   CachingHostAllocator(const CachingHostAllocator&) = delete;
@@ -191,6 +200,8 @@ class CachingHostAllocator {
   std::size_t RoundedSize(std::size_t bytes) const;
   // Checks the invariants; OK or INTERNAL naming the first broken one.
   absl::Status CheckInvariants() const;
+  // (Every Status-returning method above: FAILED_PRECONDITION in a process
+  // forked after Create; see the header comment.)
 
   Driver& driver() const;
   const HostAllocatorOptions& options() const;

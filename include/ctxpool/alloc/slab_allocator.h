@@ -33,6 +33,13 @@
 // Size 0: Allocate(0, s) returns a valid, unique 8 B object. Requests above
 // 64 KiB are INVALID_ARGUMENT: use the device allocator for them.
 //
+// fork(): CUDA state does not survive fork. In a process forked after Create
+// every call that returns a Status fails with FAILED_PRECONDITION (as
+// DeviceContext's do: create the allocators in each worker after the fork)
+// and neither the driver nor the device allocator is called; Stats and
+// Fragmentation still read the (copied) bookkeeping. The destructor in the
+// child returns no slab and destroys no event: it leaks the parent's state.
+//
 // Thread-safety: all methods are thread-safe (one absl::Mutex). The cached
 // path of Allocate and Deallocate takes the lock once, makes no driver call
 // and no heap allocation. The device allocator is called without the lock
@@ -120,6 +127,7 @@ class SlabAllocator {
       CachingDeviceAllocator& device, SlabAllocatorOptions options = {});
 
   // Returns every slab to the device allocator (as Reset(/*force=*/true)).
+  // In a forked child: returns nothing, makes no driver call.
   ~SlabAllocator();
 
   SlabAllocator(const SlabAllocator&) = delete;
@@ -158,6 +166,8 @@ class SlabAllocator {
   FragmentationStats Fragmentation() const;
   // Checks the invariants; OK or INTERNAL naming the first broken one.
   absl::Status CheckInvariants() const;
+  // (Every Status-returning method above: FAILED_PRECONDITION in a process
+  // forked after Create; see the header comment.)
 
   CachingDeviceAllocator& device_allocator() const;
   const SlabAllocatorOptions& options() const;
