@@ -9,74 +9,15 @@
 #include "absl/status/status.h"
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/driver/sim_driver.h"
+#include "device_allocator_fixture.h"
 #include "gtest/gtest.h"
 
 namespace ctxpool {
 namespace {
 
-std::uint64_t SyncCalls(const SimDriver& sim) {
-  return sim.call_count(SimCall::kEventSynchronize) +
-         sim.call_count(SimCall::kStreamSynchronize) +
-         sim.call_count(SimCall::kCtxSynchronize);
-}
+using test::SyncCalls;
 
-class TenantTest : public ::testing::TestWithParam<BackingMode> {
- protected:
-  void SetUp() override { Init(64 * kMiB); }
-
-  void Init(std::size_t capacity) {
-    alloc_.reset();
-    SimDeviceSpec spec;
-    spec.capacity_bytes = capacity;
-    spec.context_overhead_bytes = 0;
-    sim_ = SimDriver::Create({.devices = {spec}});
-    ctx_ = *sim_->PrimaryCtxRetain(0);
-    ASSERT_TRUE(sim_->CtxSetCurrent(ctx_).ok());
-    a1_ = *sim_->StreamCreate(kStreamNonBlocking, 0);
-    a2_ = *sim_->StreamCreate(kStreamNonBlocking, 0);
-    b1_ = *sim_->StreamCreate(kStreamNonBlocking, 0);
-    DeviceAllocatorOptions o;
-    o.backing = GetParam();
-    auto a = CachingDeviceAllocator::Create(*sim_, 0, o);
-    ASSERT_TRUE(a.ok()) << a.status();
-    alloc_ = std::move(*a);
-  }
-
-  void TearDown() override {
-    if (alloc_ != nullptr) {
-      absl::Status inv = alloc_->CheckInvariants();
-      EXPECT_TRUE(inv.ok()) << inv;
-    }
-    alloc_.reset();
-    EXPECT_EQ(sim_->race_count(), 0u);
-    EXPECT_EQ(sim_->misuse_count(), 0u);
-  }
-
-  TenantId Register(const std::string& name, Budget b) {
-    absl::StatusOr<TenantId> t = alloc_->RegisterTenant(name, b);
-    EXPECT_TRUE(t.ok()) << t.status();
-    return t.ok() ? *t : kDefaultTenant;
-  }
-  DevicePtr Alloc(std::size_t bytes, StreamHandle s) {
-    absl::StatusOr<DevicePtr> p = alloc_->Allocate(bytes, s);
-    EXPECT_TRUE(p.ok()) << p.status();
-    if (!p.ok()) return DevicePtr();
-    EXPECT_TRUE(sim_->Touch(s, *p, bytes).ok());
-    return *p;
-  }
-  void Free(DevicePtr p) { EXPECT_TRUE(alloc_->Deallocate(p).ok()); }
-  TenantStats Stats(TenantId t) {
-    absl::StatusOr<TenantStats> s = alloc_->GetTenantStats(t);
-    EXPECT_TRUE(s.ok()) << s.status();
-    return s.ok() ? *s : TenantStats();
-  }
-  bool expandable() const { return GetParam() == BackingMode::kExpandable; }
-
-  std::unique_ptr<SimDriver> sim_;
-  ContextHandle ctx_;
-  StreamHandle a1_, a2_, b1_;
-  std::unique_ptr<CachingDeviceAllocator> alloc_;
-};
+class TenantTest : public test::TenantAllocatorTest {};
 
 TEST_P(TenantTest, BadBudgetsAndBindingsAreInvalidArguments) {
   EXPECT_EQ(
@@ -259,14 +200,8 @@ TEST_P(TenantTest, UnregisterFreesTheNameAndNeedsNoBoundStream) {
   EXPECT_GT(Stats(again).mapped_bytes, 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backings, TenantTest,
-                         ::testing::Values(BackingMode::kClassic,
-                                           BackingMode::kExpandable),
-                         [](const auto& info) {
-                           return info.param == BackingMode::kClassic
-                                      ? std::string("Classic")
-                                      : std::string("Expandable");
-                         });
+INSTANTIATE_TEST_SUITE_P(Backings, TenantTest, test::kBothBackings,
+                         test::BackingName);
 
 }  // namespace
 }  // namespace ctxpool

@@ -14,6 +14,7 @@
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "ctxpool/trace/recorder.h"
+#include "device_allocator_fixture.h"
 #include "gtest/gtest.h"
 
 namespace ctxpool {
@@ -21,55 +22,18 @@ namespace {
 
 constexpr std::size_t kGranule = 2 * kMiB;
 
-std::uint64_t SyncCalls(const SimDriver& sim) {
-  return sim.call_count(SimCall::kEventSynchronize) +
-         sim.call_count(SimCall::kStreamSynchronize) +
-         sim.call_count(SimCall::kCtxSynchronize);
-}
+using test::SyncCalls;
 
-class VmmTest : public ::testing::Test {
+class VmmTest : public test::DeviceAllocatorFixture {
  protected:
   void SetUp() override { Init(); }
 
   void Init(DeviceAllocatorOptions options = {},
             std::size_t capacity = 1 * kGiB) {
-    alloc_.reset();
-    SimDeviceSpec spec;
-    spec.capacity_bytes = capacity;
-    spec.context_overhead_bytes = 0;
-    sim_ = SimDriver::Create({.devices = {spec}});
-    ctx_ = *sim_->PrimaryCtxRetain(0);
-    ASSERT_TRUE(sim_->CtxSetCurrent(ctx_).ok());
-    s1_ = *sim_->StreamCreate(kStreamNonBlocking, 0);
-    s2_ = *sim_->StreamCreate(kStreamNonBlocking, 0);
     options.backing = BackingMode::kExpandable;
-    auto a = CachingDeviceAllocator::Create(*sim_, 0, std::move(options));
-    ASSERT_TRUE(a.ok()) << a.status();
-    alloc_ = std::move(*a);
+    InitAllocator(capacity, std::move(options));
   }
 
-  void TearDown() override {
-    if (alloc_ != nullptr) {
-      absl::Status inv = alloc_->CheckInvariants();
-      EXPECT_TRUE(inv.ok()) << inv;
-    }
-    alloc_.reset();
-    EXPECT_EQ(sim_->race_count(), 0u);
-    EXPECT_EQ(sim_->misuse_count(), 0u);
-    for (const SimRace& race : sim_->Races()) ADD_FAILURE() << race.description;
-  }
-
-  DevicePtr Alloc(std::size_t bytes, StreamHandle s) {
-    absl::StatusOr<DevicePtr> p = alloc_->Allocate(bytes, s);
-    EXPECT_TRUE(p.ok()) << p.status();
-    if (!p.ok()) return DevicePtr();
-    EXPECT_TRUE(sim_->Touch(s, *p, bytes == 0 ? 1 : bytes).ok());
-    return *p;
-  }
-  void Free(DevicePtr p) {
-    absl::Status s = alloc_->Deallocate(p);
-    EXPECT_TRUE(s.ok()) << s;
-  }
   std::size_t Reserved() {
     return static_cast<std::size_t>(
         alloc_->Stats().total.reserved_bytes[0].current);
@@ -78,26 +42,21 @@ class VmmTest : public ::testing::Test {
     return static_cast<std::size_t>(
         alloc_->Stats().total.allocated_bytes[0].current);
   }
-
-  std::unique_ptr<SimDriver> sim_;
-  ContextHandle ctx_;
-  StreamHandle s1_, s2_;
-  std::unique_ptr<CachingDeviceAllocator> alloc_;
 };
 
 TEST_F(VmmTest, MapsGranulesOnDemandAndReusesFreedBlocks) {
-  DevicePtr a = Alloc(1000, s1_);
+  DevicePtr a = Alloc(1000, a1_);
   EXPECT_EQ(Reserved(), kGranule);  // reserved counts mapped bytes
   EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 1u);
   EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), 1u);
-  DevicePtr b = Alloc(1000, s1_);  // same granule
+  DevicePtr b = Alloc(1000, a1_);  // same granule
   EXPECT_EQ(b, a + 1024);
   EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 1u);
-  DevicePtr big = Alloc(5 * kMiB, s1_);  // large pool: its own range
+  DevicePtr big = Alloc(5 * kMiB, a1_);  // large pool: its own range
   EXPECT_EQ(Reserved(), kGranule + 6 * kMiB);
   EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), 2u);
   Free(big);
-  DevicePtr again = Alloc(5 * kMiB, s1_);
+  DevicePtr again = Alloc(5 * kMiB, a1_);
   EXPECT_EQ(again, big);
   EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 4u);
   Free(again);
@@ -108,14 +67,14 @@ TEST_F(VmmTest, MapsGranulesOnDemandAndReusesFreedBlocks) {
   ASSERT_EQ(snap.segments.size(), 2u);
   for (const SegmentInfo& seg : snap.segments) {
     EXPECT_EQ(seg.blocks.size(), 1u);
-    EXPECT_EQ(seg.stream, s1_);
+    EXPECT_EQ(seg.stream, a1_);
   }
 }
 
 TEST_F(VmmTest, TrimUnmapsFreeGranulesIntoCacheThenReleasesThem) {
-  DevicePtr keep = Alloc(3 * kMiB, s1_);
+  DevicePtr keep = Alloc(3 * kMiB, a1_);
   std::vector<DevicePtr> ps;
-  for (int i = 0; i < 4; ++i) ps.push_back(Alloc(4 * kMiB, s1_));
+  for (int i = 0; i < 4; ++i) ps.push_back(Alloc(4 * kMiB, a1_));
   for (DevicePtr p : ps) Free(p);
   ASSERT_EQ(Reserved(), 20 * kMiB);
   absl::StatusOr<TrimResult> t = alloc_->Trim(/*keep_bytes=*/64 * kMiB);
@@ -127,7 +86,7 @@ TEST_F(VmmTest, TrimUnmapsFreeGranulesIntoCacheThenReleasesThem) {
   EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 0u);
   // Growth maps cached granules before calling cuMemCreate.
   const std::uint64_t creates = sim_->call_count(SimCall::kMemCreate);
-  DevicePtr p = Alloc(8 * kMiB, s2_);
+  DevicePtr p = Alloc(8 * kMiB, a2_);
   EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), creates);
   EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 8 * kMiB);
   Free(p);
@@ -146,11 +105,11 @@ TEST_F(VmmTest, TrimUnmapsFreeGranulesIntoCacheThenReleasesThem) {
 }
 
 TEST_F(VmmTest, GranuleMovesBetweenStreamsWithoutHostSync) {
-  DevicePtr p = Alloc(6 * kMiB, s1_);
+  DevicePtr p = Alloc(6 * kMiB, a1_);
   Free(p);
   ASSERT_TRUE(alloc_->Trim(/*keep_bytes=*/kGiB).ok());
   const std::uint64_t creates = sim_->call_count(SimCall::kMemCreate);
-  DevicePtr q = Alloc(6 * kMiB, s2_);  // s2 writes the granules s1 used
+  DevicePtr q = Alloc(6 * kMiB, a2_);  // s2 writes the granules s1 used
   EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), creates);
   EXPECT_EQ(SyncCalls(*sim_), 0u);
   Free(q);
@@ -161,9 +120,9 @@ TEST_F(VmmTest, HeldStreamKeepsItsGranulesUntilItsWorkCompletes) {
   Init(o);
   absl::StatusOr<TenantId> t = alloc_->RegisterTenant("m", Budget{.high = 0});
   ASSERT_TRUE(t.ok());
-  ASSERT_TRUE(alloc_->BindStream(s1_, *t).ok());
-  sim_->Hold(s1_);
-  DevicePtr p = Alloc(4 * kMiB, s1_);
+  ASSERT_TRUE(alloc_->BindStream(a1_, *t).ok());
+  sim_->Hold(a1_);
+  DevicePtr p = Alloc(4 * kMiB, a1_);
   Free(p);  // above high: wants to give the granules back, but s1 is busy
   EXPECT_EQ(Reserved(), 4 * kMiB);
   EXPECT_EQ(alloc_->Stats().granule_unmaps, 0);
@@ -171,12 +130,12 @@ TEST_F(VmmTest, HeldStreamKeepsItsGranulesUntilItsWorkCompletes) {
   EXPECT_EQ(Reserved(), 4 * kMiB);
   // Another stream's growth cannot take them either: it creates its own.
   const std::uint64_t creates = sim_->call_count(SimCall::kMemCreate);
-  DevicePtr q = Alloc(2 * kMiB, s2_);
+  DevicePtr q = Alloc(2 * kMiB, a2_);
   EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), creates + 1);
-  sim_->Release(s1_);
+  sim_->Release(a1_);
   ASSERT_TRUE(alloc_->TrimIdle().ok());
   EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 4 * kMiB);
-  DevicePtr r = Alloc(4 * kMiB, s2_);  // from the cache, after s1's work
+  DevicePtr r = Alloc(4 * kMiB, a2_);  // from the cache, after s1's work
   EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), creates + 1);
   EXPECT_EQ(SyncCalls(*sim_), 0u);
   Free(q);
@@ -189,7 +148,7 @@ TEST_F(VmmTest, CachedGranulesDecay) {
   o.idle_release_after = absl::Seconds(5);
   o.clock = [&now] { return now; };
   Init(o);
-  DevicePtr p = Alloc(8 * kMiB, s1_);
+  DevicePtr p = Alloc(8 * kMiB, a1_);
   Free(p);
   ASSERT_TRUE(alloc_->Trim(kGiB).ok());
   EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 8 * kMiB);
@@ -215,8 +174,8 @@ TEST_F(VmmTest, NoVmmDeviceIsAPreconditionError) {
 }
 
 TEST_F(VmmTest, ResetUnmapsAndFreesTheRanges) {
-  DevicePtr p = Alloc(3 * kMiB, s1_);
-  Alloc(100, s2_);
+  DevicePtr p = Alloc(3 * kMiB, a1_);
+  Alloc(100, a2_);
   EXPECT_EQ(alloc_->Reset().code(), absl::StatusCode::kFailedPrecondition);
   Free(p);
   ASSERT_TRUE(alloc_->Reset(/*force=*/true).ok());
@@ -224,17 +183,17 @@ TEST_F(VmmTest, ResetUnmapsAndFreesTheRanges) {
   EXPECT_EQ(sim_->call_count(SimCall::kMemAddressFree), 2u);
   EXPECT_EQ(sim_->call_count(SimCall::kMemRelease),
             sim_->call_count(SimCall::kMemCreate));
-  Alloc(100, s2_);  // usable again
+  Alloc(100, a2_);  // usable again
 }
 
 TEST_F(VmmTest, DeviceOomReportsAndRecovers) {
   Init({}, 16 * kMiB);
-  DevicePtr p = Alloc(12 * kMiB, s1_);
-  absl::StatusOr<DevicePtr> q = alloc_->Allocate(8 * kMiB, s2_);
+  DevicePtr p = Alloc(12 * kMiB, a1_);
+  absl::StatusOr<DevicePtr> q = alloc_->Allocate(8 * kMiB, a2_);
   EXPECT_EQ(q.status().code(), absl::StatusCode::kResourceExhausted);
   Free(p);
   // s1's free granules go to s2 (s1 is idle: no wait needed).
-  DevicePtr r = Alloc(14 * kMiB, s2_);
+  DevicePtr r = Alloc(14 * kMiB, a2_);
   EXPECT_EQ(SyncCalls(*sim_), 0u);
   Free(r);
 }
@@ -243,7 +202,7 @@ TEST_F(VmmTest, TraceRecorderSeesAllocatorEvents) {
   TraceRecorder& rec = alloc_->trace_recorder();
   EXPECT_FALSE(rec.enabled());
   rec.Enable(1024);
-  DevicePtr p = Alloc(3000, s1_);
+  DevicePtr p = Alloc(3000, a1_);
   Free(p);
   ASSERT_TRUE(alloc_->Trim(0).ok());
   Trace t = rec.Snapshot();
@@ -269,7 +228,7 @@ TEST_F(VmmTest, SteadyStateTargets) {
   Init({}, 8 * kGiB);
   std::mt19937_64 rng(7);
   std::vector<std::pair<DevicePtr, StreamHandle>> live;
-  const StreamHandle streams[2] = {s1_, s2_};
+  const StreamHandle streams[2] = {a1_, a2_};
   auto step = [&] {
     if (live.size() < 64 && (rng() % 2 == 0 || live.empty())) {
       const int band = static_cast<int>(rng() % 10);
@@ -315,12 +274,12 @@ TEST_F(VmmTest, SteadyStateTargets) {
 
 TEST_F(VmmTest, DriverFailuresLeaveTheBooksConsistent) {
   sim_->InjectFault(SimCall::kMemMap, 1, /*CUDA_ERROR_INVALID_VALUE=*/1);
-  absl::StatusOr<DevicePtr> p = alloc_->Allocate(4 * kMiB, s1_);
+  absl::StatusOr<DevicePtr> p = alloc_->Allocate(4 * kMiB, a1_);
   EXPECT_FALSE(p.ok());
   EXPECT_TRUE(alloc_->CheckInvariants().ok());
   EXPECT_EQ(alloc_->Stats().granule_cache_bytes, kGranule);  // kept
   sim_->InjectFault(SimCall::kMemCreate, 1, /*CUDA_ERROR_OUT_OF_MEMORY=*/2);
-  DevicePtr q = Alloc(4 * kMiB, s1_);  // the cached granule, then a retry
+  DevicePtr q = Alloc(4 * kMiB, a1_);  // the cached granule, then a retry
   Free(q);
   ASSERT_TRUE(alloc_->Trim(0).ok());
   EXPECT_EQ(Reserved(), 0u);
