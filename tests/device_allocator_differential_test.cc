@@ -15,9 +15,15 @@
 // budgets (b has a low high, so its frees shed granules); each tenant's live
 // bytes equal the model's and its mapped bytes stay under its max.
 //
+// Decay is on with a short idle_release_after on a clock that advances one
+// millisecond per operation, and TrimIdle runs now and then (also while
+// streams are held), so idle streams' granules and segments decay under the
+// race detector throughout.
+//
 // Environment: CTXPOOL_TEST_SEED (default 20240601) and CTXPOOL_DIFF_OPS
 // (total operations, default 200000; sanitizer builds may lower it).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -30,6 +36,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "absl/time/time.h"
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "gtest/gtest.h"
@@ -138,6 +145,10 @@ class DifferentialTest : public ::testing::TestWithParam<BackingMode> {
     }
     DeviceAllocatorOptions o;
     o.backing = GetParam();
+    o.idle_release_after = absl::Milliseconds(3);
+    o.clock = [this] {
+      return absl::FromUnixMillis(clock_ms_.load(std::memory_order_relaxed));
+    };
     auto a = CachingDeviceAllocator::Create(*sim_, 0, o);
     ASSERT_TRUE(a.ok()) << a.status();
     alloc_ = std::move(*a);
@@ -211,6 +222,8 @@ class DifferentialTest : public ::testing::TestWithParam<BackingMode> {
   std::vector<StreamHandle> streams_;
   std::unique_ptr<CachingDeviceAllocator> alloc_;
   TenantId tenants_[2] = {};
+  // The allocator's clock: each operation advances it by 1 ms.
+  std::atomic<std::int64_t> clock_ms_{0};
   static constexpr Budget kBudgetA = {
       .min = 256 * kMiB, .high = kNoLimit, .max = 12 * kGiB};
   static constexpr Budget kBudgetB = {
@@ -231,6 +244,7 @@ TEST_P(DifferentialTest, MatchesReferenceModel) {
   std::uint64_t trims = 0;
   for (std::uint64_t step = 0; step < phase1; ++step) {
     SCOPED_TRACE(absl::StrFormat("seed %d, phase 1, step %d", seed_, step));
+    clock_ms_.fetch_add(1, std::memory_order_relaxed);
     const int op = static_cast<int>(rng() % 1000);
     const bool full =
         model.count() >= kMaxLive || model.allocated() >= kMaxLiveBytes;
@@ -242,6 +256,9 @@ TEST_P(DifferentialTest, MatchesReferenceModel) {
         sim_->Hold(streams_[i]);
       }
       held[i] = !held[i];
+    } else if (op < 7 && rng() % 2 == 0) {  // never waits: held is fine
+      absl::StatusOr<TrimResult> t = alloc_->TrimIdle();
+      ASSERT_TRUE(t.ok()) << t.status();
     } else if (op < 7) {  // trim (never while a stream is held)
       release_all();
       absl::StatusOr<TrimResult> t =
@@ -315,11 +332,14 @@ TEST_P(DifferentialTest, MatchesReferenceModel) {
       const StreamHandle mine[2] = {streams_[2 * t], streams_[2 * t + 1]};
       if (!sim_->CtxSetCurrent(ctx_).ok()) error = "CtxSetCurrent";
       for (std::uint64_t step = 0; step < per_thread && error.empty(); ++step) {
+        clock_ms_.fetch_add(1, std::memory_order_relaxed);
         const int op = static_cast<int>(trng() % 1000);
         const bool full =
             m.count() >= kMaxLive / 2 || m.allocated() >= kMaxLiveBytes / 2;
         if (op < 1) {
           if (!alloc_->Trim(64 * kMiB).ok()) error = "Trim failed";
+        } else if (op < 2) {
+          if (!alloc_->TrimIdle().ok()) error = "TrimIdle failed";
         } else if (op < 60 && m.count() > 0) {
           const std::uint64_t a = m.Pick(trng);
           Live& l = m.Get(a);

@@ -43,9 +43,11 @@
 // TakeBlock unlinks the block (and links a split remainder), inserts into
 // live_ (capacity reserved), and updates stats: no driver call, no heap
 // allocation once the block arena and live_ are warm. Deallocate is the
-// mirror image. Everything else (event polling, cross-stream reuse, new
-// segments, the OOM path) is the slow path, which makes the allocator's
-// context current with ScopedContext.
+// mirror image. For decay it only bumps the stream's operation counter (and
+// clears a classic segment's idle stamp); the clock is read by the check
+// points (DecayIdle), never here. Everything else (event polling, cross-stream
+// reuse, new segments, the OOM path) is the slow path, which makes the
+// allocator's context current with ScopedContext.
 #include "ctxpool/alloc/device_allocator.h"
 
 #include <algorithm>
@@ -101,6 +103,25 @@ struct StreamState {
   TenantId tenant = kDefaultTenant;
   // Expandable mode: the stream's range segment per pool (null until used).
   Segment* range[2] = {nullptr, nullptr};
+  // Decay (expandable mode). `ops` counts the blocks taken and freed on the
+  // stream: a plain increment on the hot path, which never reads the clock.
+  // Each decay check compares it with `ops_seen`; when it moved (or at the
+  // first check) `active_at` becomes the check's time, so idleness is
+  // measured between checks. `decayed_ops` is `ops` when the stream's free
+  // granules were last unmapped by decay: nothing to do until it moves.
+  std::uint64_t ops = 0;
+  std::uint64_t ops_seen = 0;
+  absl::Time active_at = absl::InfinitePast();
+  std::uint64_t decayed_ops = std::numeric_limits<std::uint64_t>::max();
+};
+
+// The allocator's segment: a core Segment plus the decay stamp of classic
+// mode. `free_since` is InfinitePast while the segment is in use or not yet
+// seen wholly free by a decay check; the first check that finds it wholly
+// free stamps it (lazily, so the hot path never reads the clock) and
+// indexing it wholly free again resets the stamp.
+struct DeviceSegment : Segment {
+  absl::Time free_since = absl::InfinitePast();
 };
 
 // Expandable mode: the virtual range behind a segment and its granules.
@@ -393,21 +414,15 @@ class CachingDeviceAllocator::Impl {
 
   absl::StatusOr<TrimResult> TrimIdle() ABSL_LOCKS_EXCLUDED(mu_) {
     core_internal::SpinLockHolder lock(&mu_);
-    TrimResult result;
-    if (!expandable_) {
-      result.remaining_bytes = Reserved();
-      return result;
-    }
     ScopedContext ctx(driver_, ctx_);
     CTXPOOL_RETURN_IF_ERROR(ctx.status());
     PollPending();
-    for (std::size_t t = 0; t < tenants_.size(); ++t) {
-      if (tenants_[t]->budget.high != kNoLimit) {
-        ShedAboveHigh(static_cast<TenantId>(t));
-      }
-    }
-    absl::Status s = DecayCache(&result.freed_bytes);
+    TrimResult result;
+    std::size_t busy = 0;
+    absl::Status s = ShedAllAboveHigh(&result, &busy);
+    s.Update(DecayIdle(&result, &busy));
     result.remaining_bytes = Reserved() + CacheBytes();
+    result.busy_bytes = busy;
     if (!s.ok()) return s;
     return result;
   }
@@ -774,6 +789,7 @@ class CachingDeviceAllocator::Impl {
            static_cast<std::int64_t>(b->size));
     } else {
       whole_free_[PoolIndex(seg->small)].Insert(seg, seg->size, seg->base);
+      static_cast<DeviceSegment*>(seg)->free_since = absl::InfinitePast();
     }
   }
 
@@ -808,6 +824,7 @@ class CachingDeviceAllocator::Impl {
     if (classes_.ShouldSplit(b->size, rounded, small)) {
       Index(SplitBlock(b, rounded, blocks_));
     }
+    ++ss->ops;
     b->state = BlockState::kAllocated;
     b->requested = requested;
     live_.emplace(b->address, b);
@@ -841,6 +858,7 @@ class CachingDeviceAllocator::Impl {
     Bump(ss, &PoolStats::active, seg->small, -1);
     Bump(ss, &PoolStats::active_bytes, seg->small,
          -static_cast<std::int64_t>(b->size));
+    ++ss->ops;
     b->state = BlockState::kFree;
     b->pending_events = 0;
     if (!b->stream_uses.empty()) b->stream_uses.clear();
@@ -1064,7 +1082,7 @@ class CachingDeviceAllocator::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     CTXPOOL_ASSIGN_OR_RETURN(BackedRange range, backing_->Allocate(bytes));
     ++upstream_allocs_;
-    auto seg = std::make_unique<Segment>();
+    auto seg = std::make_unique<DeviceSegment>();
     seg->base = range.base.address();
     seg->size = range.size;
     seg->stream = ss->stream;
@@ -1175,6 +1193,25 @@ class CachingDeviceAllocator::Impl {
         if (only == nullptr || Owner(seg) == only) candidates.push_back(seg);
       }
     }
+    const std::size_t allocated = Current(total_.allocated_bytes);
+    return DropWholeFree(
+        std::move(candidates), /*wait=*/true, protect_min,
+        [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return Reserved() - allocated <= keep_bytes;
+        },
+        result, busy_bytes);
+  }
+
+  // Returns the wholly free `candidates` to the driver, largest first, until
+  // done(). With `wait`, waits for owner streams with queued work (counted in
+  // result->event_waits); without, skips them (no host synchronise). Skipped
+  // segments are counted in *busy_bytes. With `protect_min`, never takes a
+  // tenant below its min. REQUIRES: context set; candidates wholly free.
+  template <typename Done>
+  absl::Status DropWholeFree(std::vector<Segment*> candidates, bool wait,
+                             bool protect_min, Done done, TrimResult* result,
+                             std::size_t* busy_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::sort(candidates.begin(), candidates.end(),
               [](const Segment* a, const Segment* b) {
                 return a->size != b->size ? a->size > b->size
@@ -1184,7 +1221,7 @@ class CachingDeviceAllocator::Impl {
     absl::flat_hash_set<std::uint64_t> busy;
     absl::Status first_error;
     for (Segment* seg : candidates) {
-      if (Reserved() - Current(total_.allocated_bytes) <= keep_bytes) break;
+      if (done()) break;
       StreamState* owner = Owner(seg);
       if (protect_min) {  // never below another tenant's min
         const std::size_t min = tenants_[owner->tenant]->budget.min;
@@ -1195,7 +1232,10 @@ class CachingDeviceAllocator::Impl {
         continue;
       }
       if (!idle.contains(owner->stream)) {
-        if (!EnsureIdle(owner, &result->event_waits).ok()) {
+        const bool now_idle = wait
+                                  ? EnsureIdle(owner, &result->event_waits).ok()
+                                  : StreamIdleNow(owner);
+        if (!now_idle) {
           busy.insert(owner->stream);
           *busy_bytes += seg->size;
           continue;
@@ -1212,6 +1252,113 @@ class CachingDeviceAllocator::Impl {
       result->freed_bytes += size;
     }
     return first_error;
+  }
+
+  // Classic mode's high: a tenant above it returns its wholly free segments
+  // to the driver, from streams whose queued work is done (no wait), until
+  // it is at or below high. Runs at the check points (TrimIdle and the slow
+  // path of Allocate), never in Deallocate: cuMemFree synchronises the
+  // device. REQUIRES: context set.
+  absl::Status ShedSegmentsAboveHigh(TenantId t, TrimResult* result,
+                                     std::size_t* busy_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const std::size_t high = tenants_[t]->budget.high;
+    if (TenantMapped(t) <= high) return absl::OkStatus();
+    std::vector<Segment*> candidates;
+    for (const FreeIndex<Segment>& index : whole_free_) {
+      for (Segment* seg = index.First(); seg != nullptr;
+           seg = FreeIndex<Segment>::Next(seg)) {
+        if (Owner(seg)->tenant == t) candidates.push_back(seg);
+      }
+    }
+    return DropWholeFree(
+        std::move(candidates), /*wait=*/false, /*protect_min=*/false,
+        [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return TenantMapped(t) <= high;
+        },
+        result, busy_bytes);
+  }
+
+  // Every tenant above its high sheds: expandable, free granules to the
+  // cache (ShedAboveHigh); classic, wholly free segments to the driver.
+  // Never waits. REQUIRES: context set.
+  absl::Status ShedAllAboveHigh(TrimResult* result, std::size_t* busy_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::Status status;
+    for (std::size_t t = 0; t < tenants_.size(); ++t) {
+      if (tenants_[t]->budget.high == kNoLimit) continue;
+      const auto id = static_cast<TenantId>(t);
+      if (expandable_) {
+        ShedAboveHigh(id);
+      } else {
+        status.Update(ShedSegmentsAboveHigh(id, result, busy_bytes));
+      }
+    }
+    return status;
+  }
+
+  // The decay check (options_.idle_release_after), run by TrimIdle and at
+  // the end of Allocate's slow path; it reads the clock once and never
+  // waits. Expandable: a stream with no block taken or freed for
+  // idle_release_after (measured between checks, see StreamState) has its
+  // free mapped granules unmapped into the cache once its queued work is
+  // done; then cached granules unused that long are released. Classic:
+  // wholly free segments first seen free by a check at least
+  // idle_release_after ago are returned to the driver, skipping owners with
+  // queued work. Freed bytes add to result->freed_bytes, skipped ones to
+  // *busy_bytes. REQUIRES: context set.
+  absl::Status DecayIdle(TrimResult* result, std::size_t* busy_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (options_.idle_release_after == absl::InfiniteDuration()) {
+      return absl::OkStatus();
+    }
+    const absl::Time now = Now();
+    const absl::Time cutoff = now - options_.idle_release_after;
+    absl::Status status;
+    if (expandable_) {
+      std::vector<StreamState*> stale;
+      for (auto& [stream, ss] : streams_) {
+        if (ss->ops != ss->ops_seen || ss->active_at == absl::InfinitePast()) {
+          ss->ops_seen = ss->ops;
+          ss->active_at = now;
+        } else if (ss->active_at <= cutoff && ss->decayed_ops != ss->ops) {
+          stale.push_back(ss.get());
+        }
+      }
+      std::sort(stale.begin(), stale.end(),
+                [](const StreamState* a, const StreamState* b) {
+                  return a->stream < b->stream;
+                });
+      for (StreamState* ss : stale) {
+        bool busy = false;
+        absl::Status s = UnmapFreeGranules(ss, kNoLimit, /*wait=*/false,
+                                           nullptr, &busy, nullptr);
+        status.Update(s);
+        if (busy) {
+          *busy_bytes += FreeMappedBytes(ss);
+        } else if (s.ok()) {
+          ss->decayed_ops = ss->ops;
+        }
+      }
+    } else {
+      std::vector<Segment*> stale;
+      for (const FreeIndex<Segment>& index : whole_free_) {
+        for (Segment* seg = index.First(); seg != nullptr;
+             seg = FreeIndex<Segment>::Next(seg)) {
+          auto* d = static_cast<DeviceSegment*>(seg);
+          if (d->free_since == absl::InfinitePast()) {
+            d->free_since = now;
+          } else if (d->free_since <= cutoff) {
+            stale.push_back(seg);
+          }
+        }
+      }
+      status.Update(DropWholeFree(
+          std::move(stale), /*wait=*/false, /*protect_min=*/false,
+          [] { return false; }, result, busy_bytes));
+    }
+    status.Update(DecayCache(now, &result->freed_bytes));
+    return status;
   }
 
   // ---- Tenants (helpers) ---------------------------------------------------
@@ -1336,7 +1483,7 @@ class CachingDeviceAllocator::Impl {
     r->base = base.address();
     r->size = size;
     r->slots.resize(size / granule_);
-    auto seg = std::make_unique<Segment>();
+    auto seg = std::make_unique<DeviceSegment>();
     seg->base = r->base;
     seg->size = size;
     seg->stream = ss->stream;
@@ -1535,14 +1682,15 @@ class CachingDeviceAllocator::Impl {
     return first;
   }
 
-  // Releases cached granules older than options_.idle_release_after.
-  absl::Status DecayCache(std::size_t* freed)
+  // Releases cached granules unmapped at least options_.idle_release_after
+  // before `now`.
+  absl::Status DecayCache(absl::Time now, std::size_t* freed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (granule_cache_.empty() ||
         options_.idle_release_after == absl::InfiniteDuration()) {
       return absl::OkStatus();
     }
-    const absl::Time cutoff = Now() - options_.idle_release_after;
+    const absl::Time cutoff = now - options_.idle_release_after;
     std::size_t old = 0;
     for (const CachedGranule& g : granule_cache_) {
       if (g.since <= cutoff) ++old;
@@ -1628,7 +1776,6 @@ class CachingDeviceAllocator::Impl {
                                                std::size_t requested,
                                                bool small, bool* oom)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    DecayCache(nullptr).IgnoreError();
     CTXPOOL_ASSIGN_OR_RETURN(Segment * seg, EnsureRange(ss, small));
     Block* b = FindFree(ss, rounded, small);
     if (b == nullptr) {  // the virtual range is full
@@ -1700,15 +1847,31 @@ class CachingDeviceAllocator::Impl {
     return p;
   }
 
-  // Everything after a cache miss: poll events, reuse another stream's
-  // wholly free segment, get a new segment, or go through the OOM path.
-  // Sets *oom (and fills *report) when memory ran out.
+  // Everything after a cache miss (AllocateMiss), then the check point of
+  // decay and of classic mode's high: what they find to release goes after
+  // the request is served, so it never releases memory the request could
+  // have reused. Sets *oom (and fills *report) when memory ran out.
   absl::StatusOr<DevicePtr> AllocateSlow(StreamState* ss, std::size_t rounded,
                                          std::size_t requested, bool small,
                                          OomReport* report, bool* oom)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     ScopedContext ctx(driver_, ctx_);
     CTXPOOL_RETURN_IF_ERROR(ctx.status());
+    absl::StatusOr<DevicePtr> p =
+        AllocateMiss(ss, rounded, requested, small, report, oom);
+    TrimResult scratch;
+    std::size_t busy = 0;
+    if (!expandable_) ShedAllAboveHigh(&scratch, &busy).IgnoreError();
+    DecayIdle(&scratch, &busy).IgnoreError();
+    return p;
+  }
+
+  // Poll events, reuse another stream's wholly free segment, get a new
+  // segment, or go through the OOM path. REQUIRES: context set.
+  absl::StatusOr<DevicePtr> AllocateMiss(StreamState* ss, std::size_t rounded,
+                                         std::size_t requested, bool small,
+                                         OomReport* report, bool* oom)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!pending_.empty()) {
       PollPending();
       Block* b = FindFree(ss, rounded, small);
@@ -1821,7 +1984,7 @@ class CachingDeviceAllocator::Impl {
 
   mutable core_internal::SpinLock mu_;
   BlockPool blocks_ ABSL_GUARDED_BY(mu_);
-  absl::btree_map<std::uint64_t, std::unique_ptr<Segment>> segments_
+  absl::btree_map<std::uint64_t, std::unique_ptr<DeviceSegment>> segments_
       ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::uint64_t, std::unique_ptr<StreamState>> streams_
       ABSL_GUARDED_BY(mu_);

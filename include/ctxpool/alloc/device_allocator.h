@@ -80,10 +80,30 @@
 //
 //   * max: growth beyond it first unmaps the tenant's own free granules, then
 //     fails with RESOURCE_EXHAUSTED naming the tenant; others are unaffected.
-//   * high (expandable): above it, frees return granules to the cache.
+//   * high: above it the tenant gives cached memory back. Expandable: each
+//     Deallocate returns its free granules to the granule cache (no driver
+//     call but cuMemUnmap). Classic: its wholly free segments go back to the
+//     driver at the next check point (TrimIdle or a slow-path Allocate), not
+//     in Deallocate, because cuMemFree synchronises the device; until then
+//     they stay cached. Neither waits for a stream with queued work.
 //   * min: under device pressure (cuMemCreate fails) free granules of other
 //     tenants are reclaimed, most over budget first, never below their min.
 // Unbound streams belong to the default tenant (kDefaultTenant, no limits).
+//
+// Decay (options.idle_release_after): cached memory unused that long is
+// released at the next check point — the slow path of Allocate (after it
+// served the request) or TrimIdle — never on the cached hot path, which does
+// not read the clock. Expandable: a stream that took or freed no block for
+// idle_release_after has its free mapped granules unmapped into the granule
+// cache (once its queued work is done: a busy stream is skipped, not waited
+// for), and cached granules unused that long are released to the driver.
+// Classic: wholly free segments unused that long are returned to the driver
+// (again skipping owners with queued work). Idleness is measured between
+// check points: a stream or segment is stamped at the first check that sees
+// it idle, so memory is released between idle_release_after and
+// idle_release_after plus the gap between two checks after its last use;
+// never earlier. Partly used segments of classic mode and min do not stop
+// decay (it releases only a tenant's own idle cache).
 //
 // Invariants (checked by CheckInvariants(), listed in device_allocator.cc):
 // segments are tiled exactly by coalesced blocks; every free block is in
@@ -160,9 +180,11 @@ struct DeviceAllocatorOptions {
   // device's primary context (released at destruction).
   ContextHandle context;
   OomCallback on_oom;
-  // Expandable mode: cached granules unused for this long are released to
-  // the driver at the next slow-path allocator call or TrimIdle() (never on
-  // the cached hot path). InfiniteDuration() keeps them until Trim.
+  // Decay (see the banner): cached memory unused for this long — free mapped
+  // granules of an idle stream and cached granules (expandable), wholly free
+  // segments (classic) — is released at the next slow-path Allocate or
+  // TrimIdle() (never on the cached hot path). InfiniteDuration() keeps it
+  // until Trim.
   absl::Duration idle_release_after = absl::InfiniteDuration();
   // The clock for idle_release_after; null means absl::Now (tests inject).
   std::function<absl::Time()> clock;
@@ -176,7 +198,7 @@ inline constexpr std::size_t kNoLimit = std::numeric_limits<std::size_t>::max();
 // Budget of a tenant in bytes of physical memory. REQUIRES: min <= max.
 struct Budget {
   std::size_t min = 0;          // protected from reclaim by other tenants
-  std::size_t high = kNoLimit;  // above it frees give granules back
+  std::size_t high = kNoLimit;  // above it cached memory is given back
   std::size_t max = kNoLimit;   // hard limit
 };
 
@@ -305,10 +327,14 @@ class CachingDeviceAllocator {
   // (busy_bytes). A driver error leaves the segment cached and is returned.
   absl::StatusOr<TrimResult> Trim(std::size_t keep_bytes = 0);
 
-  // Releases cached granules unused for options.idle_release_after and
-  // returns to the cache the free granules of tenants above their high
-  // whose streams finished their work. Never waits: a server calls it
-  // between requests. OK with nothing to do in classic mode.
+  // The explicit check point (see "high" and "Decay" in the banner): polls
+  // pending frees; tenants above their high shed (expandable: free granules
+  // to the cache; classic: wholly free segments to the driver); then decay
+  // runs. Never waits: memory of a stream with queued work stays and is
+  // counted in busy_bytes. freed_bytes counts what went back to the driver
+  // (not granules moved to the cache); remaining_bytes is reserved plus
+  // cached bytes. A server calls it between requests. Thread-safe; makes the
+  // allocator's context current around its driver calls.
   absl::StatusOr<TrimResult> TrimIdle();
 
   // ---- Tenants -------------------------------------------------------------
