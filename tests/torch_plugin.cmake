@@ -29,3 +29,26 @@ if(TARGET ctxpool_torch AND Python3_Interpreter_FOUND AND NOT CTXPOOL_SANITIZE)
     LABELS "unit" TIMEOUT 300
     ENVIRONMENT "CTXPOOL_TORCH_LIB=$<TARGET_FILE:ctxpool_torch>;CTXPOOL_DRIVER=sim:2xa10-24gb;PYTHONPATH=${PROJECT_SOURCE_DIR}/plugins/torch/python;PYTHONDONTWRITEBYTECODE=1")
 endif()
+
+# ctxpool_torch_allocator.h (the libtorch header), compiled against the
+# stand-in PyTorch API in plugins/torch/tests/fake_torch, once per spelling
+# of the allocation hook's device parameter (int, c10::DeviceIndex). The
+# real thing is compiled whenever CMake finds Torch (plugins/torch).
+if(TARGET ctxpool_torch)
+  foreach(variant int device_index)
+    set(name torch_allocator_header_${variant}_test)
+    add_executable(${name}
+      ${PROJECT_SOURCE_DIR}/plugins/torch/tests/torch_allocator_header_test.cc)
+    target_include_directories(${name} PRIVATE
+      ${PROJECT_SOURCE_DIR}/plugins/torch/tests/fake_torch)
+    target_link_libraries(${name} PRIVATE
+      ctxpool_torch GTest::gtest GTest::gtest_main ctxpool_warnings)
+    if(variant STREQUAL "device_index")
+      target_compile_definitions(${name} PRIVATE
+        CTXPOOL_FAKE_TORCH_DEVICE_INDEX_HOOK)
+    endif()
+    add_test(NAME ${name} COMMAND ${name})
+    set_tests_properties(${name} PROPERTIES LABELS "unit" TIMEOUT 300
+      ENVIRONMENT "CTXPOOL_DRIVER=sim:2xa10-24gb")
+  endforeach()
+endif()

@@ -12,8 +12,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <new>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -36,6 +38,7 @@ constexpr std::size_t kGiB = std::size_t{1} << 30;
 // The plugin's C functions, resolved with dlsym.
 struct Api {
   void* (*malloc)(size_t, int, cudaStream_t) = nullptr;
+  void* (*try_malloc)(size_t, int, cudaStream_t) = nullptr;
   void (*free)(void*, size_t, int, cudaStream_t) = nullptr;
   int64_t (*empty_cache)() = nullptr;
   const char* (*memory_stats)(int) = nullptr;
@@ -72,6 +75,7 @@ class TorchPluginTest : public ::testing::Test {
     handle_ = dlopen(CTXPOOL_TORCH_PLUGIN_PATH, RTLD_NOW | RTLD_LOCAL);
     ASSERT_NE(handle_, nullptr) << dlerror();
     Resolve(handle_, "ctxpool_malloc", api_.malloc);
+    Resolve(handle_, "ctxpool_try_malloc", api_.try_malloc);
     Resolve(handle_, "ctxpool_free", api_.free);
     Resolve(handle_, "ctxpool_empty_cache", api_.empty_cache);
     Resolve(handle_, "ctxpool_memory_stats", api_.memory_stats);
@@ -95,6 +99,7 @@ class TorchPluginTest : public ::testing::Test {
     }
     ASSERT_NE(handle_, nullptr);
     ASSERT_NE(api_.malloc, nullptr);
+    ASSERT_NE(api_.try_malloc, nullptr);
     ASSERT_NE(api_.shutdown, nullptr);
     api_.set_model(nullptr);
   }
@@ -218,29 +223,83 @@ TEST_F(TorchPluginTest, SizeOrDeviceMismatchIsRefusedAndTheBlockStaysLive) {
   EXPECT_EQ(Stat("num_invalid_frees"), 2);
 }
 
-TEST_F(TorchPluginTest, OutOfMemoryReturnsNullWithAReport) {
-  void* a = api_.malloc(20 * kGiB, 0, nullptr);
+TEST_F(TorchPluginTest, TryMallocOutOfMemoryReturnsNullWithAReport) {
+  void* a = api_.try_malloc(20 * kGiB, 0, nullptr);
   ASSERT_NE(a, nullptr) << LastError();
-  EXPECT_EQ(api_.malloc(20 * kGiB, 0, nullptr), nullptr);
+  EXPECT_EQ(api_.try_malloc(20 * kGiB, 0, nullptr), nullptr);
   EXPECT_NE(LastError().find("out of memory"), std::string::npos)
       << LastError();
   EXPECT_EQ(Stat("num_ooms"), 1);
   EXPECT_GE(Stat("num_alloc_retries"), 1);
   // More than the device has at all.
-  EXPECT_EQ(api_.malloc(100 * kGiB, 1, nullptr), nullptr);
+  EXPECT_EQ(api_.try_malloc(100 * kGiB, 1, nullptr), nullptr);
   EXPECT_FALSE(LastError().empty());
   // The other device is unaffected.
-  void* b = api_.malloc(20 * kGiB, 1, nullptr);
+  void* b = api_.try_malloc(20 * kGiB, 1, nullptr);
   EXPECT_NE(b, nullptr) << LastError();
   api_.free(a, 20 * kGiB, 0, nullptr);
   api_.free(b, 20 * kGiB, 1, nullptr);
 }
 
+// PyTorch does not check the pluggable allocator's result for NULL, so
+// ctxpool_malloc reports out-of-memory as PyTorch's own allocator does: by
+// throwing (std::bad_alloc here; c10::OutOfMemoryError through the libtorch
+// header), with the report in what(). Nothing leaks and the device keeps
+// working.
+TEST_F(TorchPluginTest, MallocThrowsBadAllocWithTheReport) {
+  void* a = api_.malloc(20 * kGiB, 0, nullptr);
+  ASSERT_NE(a, nullptr);
+  std::string what;
+  try {
+    (void)api_.malloc(20 * kGiB, 0, nullptr);
+    ADD_FAILURE() << "no exception";
+  } catch (const std::bad_alloc& e) {
+    what = e.what();
+  }
+  EXPECT_NE(what.find("ctxpool: "), std::string::npos) << what;
+  EXPECT_NE(what.find("out of memory"), std::string::npos) << what;
+  EXPECT_EQ(LastError(), what.substr(std::string("ctxpool: ").size()));
+  EXPECT_EQ(Stat("num_ooms"), 1);
+  EXPECT_EQ(Stat("allocation.all.current"), 1);
+  // A model over its hard budget: the report names the model.
+  ASSERT_EQ(api_.set_model_budget("capped", 1 << 20), 0);
+  ASSERT_EQ(api_.set_model("capped"), 0);
+  void* small = api_.malloc(512 << 10, 0, nullptr);
+  what.clear();
+  try {
+    (void)api_.malloc(1 << 20, 0, nullptr);
+    ADD_FAILURE() << "no exception";
+  } catch (const std::bad_alloc& e) {
+    what = e.what();
+  }
+  EXPECT_NE(what.find("capped"), std::string::npos) << what;
+  api_.free(small, 512 << 10, 0, nullptr);
+  ASSERT_EQ(api_.set_model(nullptr), 0);
+  api_.free(a, 20 * kGiB, 0, nullptr);
+  EXPECT_EQ(Stat("allocation.all.current"), 0);
+  void* again = api_.malloc(20 * kGiB, 0, nullptr);
+  EXPECT_NE(again, nullptr);
+  api_.free(again, 20 * kGiB, 0, nullptr);
+}
+
+TEST_F(TorchPluginTest, MallocThrowsRuntimeErrorForABadDevice) {
+  std::string what;
+  try {
+    (void)api_.malloc(512, 2, nullptr);
+    ADD_FAILURE() << "no exception";
+  } catch (const std::bad_alloc&) {
+    ADD_FAILURE() << "a bad device is not out of memory";
+  } catch (const std::runtime_error& e) {
+    what = e.what();
+  }
+  EXPECT_NE(what.find("device 2 does not exist"), std::string::npos) << what;
+}
+
 TEST_F(TorchPluginTest, BadDeviceReturnsNull) {
-  EXPECT_EQ(api_.malloc(512, 2, nullptr), nullptr);
+  EXPECT_EQ(api_.try_malloc(512, 2, nullptr), nullptr);
   EXPECT_NE(LastError().find("device 2 does not exist"), std::string::npos)
       << LastError();
-  EXPECT_EQ(api_.malloc(512, -1, nullptr), nullptr);
+  EXPECT_EQ(api_.try_malloc(512, -1, nullptr), nullptr);
   EXPECT_EQ(api_.memory_stats(7), nullptr);
   api_.free(reinterpret_cast<void*>(uintptr_t{4096}), 512, 9, nullptr);
   EXPECT_EQ(Stat("num_invalid_frees"), 1);
@@ -281,7 +340,7 @@ TEST_F(TorchPluginTest, ModelsAreChargedToTheirOwnSessions) {
   void* small = api_.malloc(512 << 10, 0, nullptr);
   ASSERT_NE(small, nullptr) << LastError();
   // Over small's budget; big's usage does not matter.
-  EXPECT_EQ(api_.malloc(768 << 10, 0, nullptr), nullptr);
+  EXPECT_EQ(api_.try_malloc(768 << 10, 0, nullptr), nullptr);
   EXPECT_NE(LastError().find("small"), std::string::npos) << LastError();
   const std::string json = Stats(0);
   const std::size_t small_at = json.find("\"small\":{");
@@ -389,7 +448,7 @@ TEST_F(TorchPluginTest, ManyThreadsManyModels) {
       for (int i = 0; i < kIters; ++i) {
         const std::size_t size =
             (static_cast<std::size_t>(i * 7 + t) % 64 + 1) * 4096;
-        void* p = api_.malloc(size, t % 2, nullptr);
+        void* p = api_.try_malloc(size, t % 2, nullptr);
         if (p != nullptr) live.emplace_back(p, size);
         if (live.size() > 8 || (i % 3 == 0 && !live.empty())) {
           api_.free(live.front().first, live.front().second, t % 2, nullptr);
@@ -420,7 +479,7 @@ TEST_F(TorchPluginTest, ForkedChildCreatesItsOwnState) {
     const char* info = api_.info();
     if (info == nullptr || JsonInt(info, "pid") != getpid()) code |= 1;
     if (JsonInt(info ? info : "", "live_allocations") != 0) code |= 2;
-    void* q = api_.malloc(4096, 0, nullptr);
+    void* q = api_.try_malloc(4096, 0, nullptr);
     if (q == nullptr) code |= 4;
     const char* stats = api_.memory_stats(0);
     if (stats == nullptr || JsonInt(stats, "allocation.all.current") != 1) {

@@ -77,17 +77,19 @@ def main():
     print("served: encoder %d requests, classifier %d requests" % (
         len(results["encoder"]), len(results["classifier"])))
 
-    # Budgets are hard: a request over a model's budget makes ctxpool_malloc
-    # return NULL. PyTorch's pluggable-allocator path does not turn that into
-    # torch.cuda.OutOfMemoryError (it hands the NULL pointer to the kernel),
-    # so a server checks a request's size against the model's headroom
-    # before running it, as here, and watches "num_budget_rejections".
+    # Budgets are hard: a request over a model's budget fails in ctxpool's
+    # allocator with an exception (PyTorch's bindings raise it in Python with
+    # ctxpool's report: the model, its budget and usage); the other model is
+    # unaffected and the refusal is counted in "num_budget_rejections".
     m = ctxpool_torch.memory_stats(0)["models"]["classifier"]
-    big = 8 * 3 * 1024 * 1024 * 4  # an 8 x 3 x 1024 x 1024 float input
-    headroom = m["max_bytes"] - m["live_bytes"]
-    print("classifier: %d bytes live, %d of headroom; a %d-byte batch %s" % (
-        m["live_bytes"], headroom, big,
-        "fits" if big <= headroom else "is refused before it runs"))
+    big = m["max_bytes"] - m["live_bytes"] + (64 << 20)
+    with ctxpool_torch.model("classifier"):
+        try:
+            torch.empty(big, dtype=torch.uint8, device=dev)
+            print("classifier: a %d-byte tensor fit (unexpected)" % big)
+        except (RuntimeError, MemoryError) as e:
+            print("classifier: a %d-byte tensor over its budget was refused:"
+                  " %s" % (big, str(e).splitlines()[0][:160]))
 
     stats = ctxpool_torch.memory_stats(0)
     print("\n%-12s %12s %12s %12s %10s" % (

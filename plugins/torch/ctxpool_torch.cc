@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -559,6 +561,31 @@ const char* Result(std::string text) {
   return tls_result.c_str();
 }
 
+absl::StatusOr<void*> Malloc(size_t size, int device, cudaStream_t stream) {
+  CTXPOOL_ASSIGN_OR_RETURN(PluginState * s, GetState());
+  return s->Malloc(size, device, StreamHandle::From(stream), CurrentModel());
+}
+
+// What ctxpool_malloc throws when memory ran out: PyTorch's own allocator
+// throws too (c10::OutOfMemoryError, which derives from std::exception), so
+// every caller PyTorch has is ready for an exception here.
+class OutOfMemory final : public std::bad_alloc {
+ public:
+  explicit OutOfMemory(std::string what) : what_(std::move(what)) {}
+  const char* what() const noexcept override { return what_.c_str(); }
+
+ private:
+  std::string what_;
+};
+
+[[noreturn]] void ThrowFor(const absl::Status& status) {
+  std::string text = absl::StrCat("ctxpool: ", status.message());
+  if (status.code() == absl::StatusCode::kResourceExhausted) {
+    throw OutOfMemory(std::move(text));
+  }
+  throw std::runtime_error(text);
+}
+
 }  // namespace
 }  // namespace torch_plugin
 }  // namespace ctxpool
@@ -568,19 +595,20 @@ using namespace ctxpool::torch_plugin;  // NOLINT: the C ABI below
 
 extern "C" {
 
-void* ctxpool_malloc(size_t size, int device, cudaStream_t stream) {
-  absl::StatusOr<PluginState*> s = GetState();
-  if (!s.ok()) {
-    SetError(s.status());
-    return nullptr;
-  }
-  absl::StatusOr<void*> p =
-      (*s)->Malloc(size, device, StreamHandle::From(stream), CurrentModel());
+void* ctxpool_try_malloc(size_t size, int device, cudaStream_t stream) {
+  absl::StatusOr<void*> p = Malloc(size, device, stream);
   if (!p.ok()) {
     SetError(p.status());
     return nullptr;
   }
   return *p;
+}
+
+void* ctxpool_malloc(size_t size, int device, cudaStream_t stream) {
+  absl::StatusOr<void*> p = Malloc(size, device, stream);
+  if (ABSL_PREDICT_TRUE(p.ok())) return *p;
+  SetError(p.status());
+  ThrowFor(p.status());
 }
 
 void ctxpool_free(void* ptr, size_t size, int device, cudaStream_t stream) {

@@ -43,15 +43,24 @@
 // (create everything in the worker, e.g. in gunicorn's post_fork); otherwise
 // the driver fails in the child and ctxpool_last_error says why.
 //
-// Errors: no function crashes or throws on bad input. Functions returning
-// int return 0 on success and -1 on failure; a failed ctxpool_malloc returns
-// NULL. The text of the last failure in the process (any thread) is
-// ctxpool_last_error(). Caution: the PyTorch releases we read do not check
-// the pluggable allocator's result for NULL (CUDAPluggableAllocator::allocate
-// wraps it in a DataPtr as is), so an exhausted budget or device shows up as
-// a CUDA illegal-address error in the first kernel that touches the tensor,
-// not as torch.cuda.OutOfMemoryError. Size budgets with headroom and watch
-// memory_stats()["num_ooms"] and the models' "num_budget_rejections".
+// Errors: no function crashes on bad input, and only ctxpool_malloc throws.
+// Functions returning int return 0 on success and -1 on failure; a failed
+// ctxpool_try_malloc returns NULL. The text of the last failure in the
+// process (any thread) is ctxpool_last_error().
+//
+// Out of memory: PyTorch's CUDAPluggableAllocator does not check the
+// allocator's result for NULL (it wraps it in a DataPtr as is), so a NULL
+// would surface as an illegal-address error in the first kernel that touches
+// the tensor. ctxpool_malloc therefore reports failure the way PyTorch's own
+// allocator does, with a C++ exception: a std::bad_alloc whose what() is
+// ctxpool's out-of-memory report (which model, its budget and usage, the
+// device's reserved and free bytes) when the device or the model's budget
+// is exhausted, a std::runtime_error for anything else (no driver, bad
+// device). PyTorch's Python bindings turn either into a Python exception
+// carrying that text (RuntimeError or MemoryError, depending on the
+// release). The libtorch header ctxpool_torch_allocator.h rethrows it as
+// c10::OutOfMemoryError, i.e. torch.OutOfMemoryError. C and ctypes callers
+// must use ctxpool_try_malloc: an exception cannot cross a C frame.
 //
 // Strings returned by ctxpool_last_error, ctxpool_memory_stats and
 // ctxpool_info live in a buffer owned by the calling thread, valid until the
@@ -85,12 +94,19 @@ typedef struct CUstream_st* cudaStream_t;
 // A block of at least `size` bytes on `device`, usable by work on `stream` in
 // stream order (PyTorch's contract). Charged to the calling thread's current
 // model. size 0 returns a valid, unique pointer (freed like any other).
-// Returns NULL when the device or the model's budget is exhausted, for a bad
-// device, or when the driver cannot be loaded; ctxpool_last_error() says
-// which. REQUIRES: `stream` is NULL (the legacy default stream) or a live
-// stream of `device`.
+// Throws std::bad_alloc when the device or the model's budget is exhausted
+// and std::runtime_error for a bad device or when the driver cannot be
+// loaded (see "Out of memory" above); never returns NULL. For C++ callers
+// (PyTorch); C and ctypes callers use ctxpool_try_malloc.
+// REQUIRES: `stream` is NULL (the legacy default stream) or a live stream of
+// `device`.
 CTXPOOL_TORCH_API void* ctxpool_malloc(size_t size, int device,
                                        cudaStream_t stream);
+
+// ctxpool_malloc without exceptions: NULL on failure, with
+// ctxpool_last_error() saying why. Never throws.
+CTXPOOL_TORCH_API void* ctxpool_try_malloc(size_t size, int device,
+                                           cudaStream_t stream);
 
 // Returns `ptr` to ctxpool's cache, ordered after the work already enqueued on
 // the stream it was allocated on (and streams named by

@@ -14,9 +14,18 @@
 //     auto x = torch::randn({1024, 1024}, torch::kCUDA);
 //   }
 //
+// Out of memory: ctxpool_malloc throws std::bad_alloc with ctxpool's report
+// (see ctxpool_torch.h); the hook installed here rethrows it as
+// c10::OutOfMemoryError, what PyTorch's own allocator throws, so C++ callers
+// catch c10::OutOfMemoryError and Python callers torch.OutOfMemoryError.
+// Other failures (no driver, bad device) become c10::Error.
+//
 // Header-only; it needs libtorch's headers and libctxpool_torch.so at link
 // time. The CMake build compiles plugins/torch/examples/libtorch_example.cc
-// with it only when find_package(Torch) succeeds.
+// with it only when find_package(Torch) succeeds; the test
+// torch_allocator_header_test compiles it against a stand-in of the PyTorch
+// API it uses (plugins/torch/tests/fake_torch), in both spellings of the
+// allocation hook's device parameter.
 //
 // Thread-safety: InstallAllocator must run before any CUDA allocation and
 // not concurrently with one (PyTorch refuses to swap an allocator in use).
@@ -24,15 +33,33 @@
 #ifndef CTXPOOL_PLUGINS_TORCH_CTXPOOL_TORCH_ALLOCATOR_H_
 #define CTXPOOL_PLUGINS_TORCH_CTXPOOL_TORCH_ALLOCATOR_H_
 
+#include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include <cstddef>
+#include <exception>
 #include <memory>
+#include <new>
 #include <string>
 
 #include "ctxpool_torch.h"
 
 namespace ctxpool_torch {
+namespace internal {
+
+// ctxpool_malloc with its exceptions turned into PyTorch's.
+inline void* Malloc(std::size_t size, int device, cudaStream_t stream) {
+  try {
+    return ctxpool_malloc(size, device, stream);
+  } catch (const std::bad_alloc& e) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  return nullptr;  // not reached: TORCH_CHECK(false, ...) throws
+}
+
+}  // namespace internal
 
 // Creates the pluggable allocator over ctxpool_malloc / ctxpool_free, sets
 // its reset (empty cache) and record-stream hooks, and makes it PyTorch's
@@ -45,7 +72,7 @@ InstallAllocator() {
   // and c10::DeviceIndex in others.
   auto alloc = pa::createCustomAllocator(
       [](std::size_t size, auto device, cudaStream_t stream) -> void* {
-        return ctxpool_malloc(size, static_cast<int>(device), stream);
+        return internal::Malloc(size, static_cast<int>(device), stream);
       },
       [](void* ptr, std::size_t size, auto device, cudaStream_t stream) {
         ctxpool_free(ptr, size, static_cast<int>(device), stream);

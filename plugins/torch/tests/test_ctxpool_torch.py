@@ -79,7 +79,7 @@ class SimulatedDriverTest(unittest.TestCase):
                          ctxpool_torch.last_error())
 
     def test_malloc_and_free_with_a_null_stream(self):
-        p = self.lib.ctxpool_malloc(1000, 0, None)
+        p = self.lib.ctxpool_try_malloc(1000, 0, None)
         self.assertTrue(p)
         stats = ctxpool_torch.memory_stats(0)
         self.assertEqual(stats["allocation.all.current"], 1)
@@ -108,7 +108,7 @@ class SimulatedDriverTest(unittest.TestCase):
         self.assertIsInstance(stats["models"], dict)
 
     def test_bad_frees_are_counted(self):
-        p = self.lib.ctxpool_malloc(4096, 0, None)
+        p = self.lib.ctxpool_try_malloc(4096, 0, None)
         self.lib.ctxpool_free(p, 4095, 0, None)
         self.assertIn("was 4096 bytes", ctxpool_torch.last_error())
         self.lib.ctxpool_free(12345, 16, 0, None)
@@ -117,8 +117,8 @@ class SimulatedDriverTest(unittest.TestCase):
             ctxpool_torch.memory_stats(0)["num_invalid_frees"], 2)
         self.lib.ctxpool_free(p, 4096, 0, None)
 
-    def test_out_of_memory_gives_null_and_an_error(self):
-        self.assertIsNone(self.lib.ctxpool_malloc(100 << 30, 0, None))
+    def test_try_malloc_out_of_memory_gives_null_and_an_error(self):
+        self.assertIsNone(self.lib.ctxpool_try_malloc(100 << 30, 0, None))
         self.assertIn("larger than", ctxpool_torch.last_error())
 
     def test_model_context_manager(self):
@@ -127,10 +127,10 @@ class SimulatedDriverTest(unittest.TestCase):
         with ctxpool_torch.model("bert") as name:
             self.assertEqual(name, "bert")
             self.assertEqual(ctxpool_torch.get_model(), "bert")
-            a = self.lib.ctxpool_malloc(2 << 20, 0, None)
+            a = self.lib.ctxpool_try_malloc(2 << 20, 0, None)
             with ctxpool_torch.model("tiny"):
-                b = self.lib.ctxpool_malloc(512 << 10, 0, None)
-                self.assertIsNone(self.lib.ctxpool_malloc(1 << 20, 0, None))
+                b = self.lib.ctxpool_try_malloc(512 << 10, 0, None)
+                self.assertIsNone(self.lib.ctxpool_try_malloc(1 << 20, 0, None))
                 self.assertIn("tiny", ctxpool_torch.last_error())
             self.assertEqual(ctxpool_torch.get_model(), "bert")
         self.assertEqual(ctxpool_torch.get_model(), "default")
@@ -163,14 +163,14 @@ class SimulatedDriverTest(unittest.TestCase):
         with ctxpool_torch.model("bert"):
             stream = ctxpool_torch.model_stream(0)
             self.assertTrue(stream)
-            p = self.lib.ctxpool_malloc(1 << 20, 0, None)
+            p = self.lib.ctxpool_try_malloc(1 << 20, 0, None)
             ctxpool_torch.record_stream(p, stream)
             self.lib.ctxpool_free(p, 1 << 20, 0, None)
             with self.assertRaises(RuntimeError):
                 ctxpool_torch.record_stream(p, stream)  # freed
 
     def test_snapshot_writes_json(self):
-        p = self.lib.ctxpool_malloc(4096, 1, None)
+        p = self.lib.ctxpool_try_malloc(4096, 1, None)
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "snap.json")
             ctxpool_torch.snapshot(path)
@@ -186,7 +186,7 @@ class SimulatedDriverTest(unittest.TestCase):
         self.assertIn("does not exist", str(cm.exception))
 
     def test_works_with_ctypes_pointers(self):
-        p = self.lib.ctxpool_malloc(0, 0, ctypes.c_void_p(0))
+        p = self.lib.ctxpool_try_malloc(0, 0, ctypes.c_void_p(0))
         self.assertTrue(p)
         self.lib.ctxpool_free(p, 0, 0, None)
         self.assertEqual(

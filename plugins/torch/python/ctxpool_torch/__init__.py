@@ -93,7 +93,10 @@ def find_library(path=None):
 def _declare(lib):
     c = ctypes
     sigs = {
+        # ctxpool_malloc throws a C++ exception on failure (for PyTorch):
+        # never call it through ctypes; ctxpool_try_malloc returns None.
         "ctxpool_malloc": (c.c_void_p, [c.c_size_t, c.c_int, c.c_void_p]),
+        "ctxpool_try_malloc": (c.c_void_p, [c.c_size_t, c.c_int, c.c_void_p]),
         "ctxpool_free": (None, [c.c_void_p, c.c_size_t, c.c_int, c.c_void_p]),
         "ctxpool_empty_cache": (c.c_int64, []),
         "ctxpool_memory_stats": (c.c_char_p, [c.c_int]),
