@@ -13,8 +13,8 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "ctxpool/context/fork_guard.h"
 #include "ctxpool/context/runtime.h"
+#include "ctxpool/core/fork_guard.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "gtest/gtest.h"
 

@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
-#include "ctxpool/context/fork_guard.h"
+#include "ctxpool/core/fork_guard.h"
 #include "pending_frees.h"
 
 namespace ctxpool {

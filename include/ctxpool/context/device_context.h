@@ -51,8 +51,8 @@
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/alloc/host_allocator.h"
 #include "ctxpool/alloc/slab_allocator.h"
-#include "ctxpool/context/fork_guard.h"
 #include "ctxpool/context/model_session.h"
+#include "ctxpool/core/fork_guard.h"
 #include "ctxpool/driver/driver.h"
 
 namespace ctxpool {

@@ -61,7 +61,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "ctxpool/alloc/device_allocator.h"
-#include "ctxpool/context/fork_guard.h"
+#include "ctxpool/core/fork_guard.h"
 #include "ctxpool/driver/types.h"
 
 namespace ctxpool {

@@ -34,7 +34,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "ctxpool/context/device_context.h"
-#include "ctxpool/context/fork_guard.h"
+#include "ctxpool/core/fork_guard.h"
 #include "ctxpool/driver/driver.h"
 
 namespace ctxpool {

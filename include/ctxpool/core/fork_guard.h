@@ -1,4 +1,4 @@
-// ctxpool/context/fork_guard.h — refusing to use CUDA in a forked child.
+// ctxpool/core/fork_guard.h — refusing to use CUDA in a forked child.
 //
 // A CUDA context does not survive fork(): the child inherits the parent's
 // handles and memory map but not the driver's state, and any driver call in
@@ -6,9 +6,11 @@
 // 'fork') hit this when the master initialises CUDA before forking workers.
 //
 // ForkGuard is how ctxpool turns that into a clear error. It records the
-// process id and a fork generation when a Runtime is created; a
-// pthread_atfork child handler bumps the generation in every forked child,
-// so the check on each public call is one relaxed atomic load and a compare:
+// process id and a fork generation when the object holding it (a Runtime,
+// DeviceContext, ModelSession or allocator) is created; a pthread_atfork
+// child handler bumps the generation in every forked child, so the check on
+// each public call is one relaxed atomic load and a compare. It needs only
+// libc and Abseil, so it lives in core and every layer may use it:
 //
 //   ForkGuard guard;                       // at initialisation
 //   ...
@@ -21,8 +23,8 @@
 // a new guard and works.
 //
 // Thread-safety: all methods are thread-safe.
-#ifndef CTXPOOL_CONTEXT_FORK_GUARD_H_
-#define CTXPOOL_CONTEXT_FORK_GUARD_H_
+#ifndef CTXPOOL_CORE_FORK_GUARD_H_
+#define CTXPOOL_CORE_FORK_GUARD_H_
 
 #include <sys/types.h>
 
@@ -76,4 +78,4 @@ class ForkGuard {
 
 }  // namespace ctxpool
 
-#endif  // CTXPOOL_CONTEXT_FORK_GUARD_H_
+#endif  // CTXPOOL_CORE_FORK_GUARD_H_

@@ -1,4 +1,4 @@
-#include "ctxpool/context/fork_guard.h"
+#include "ctxpool/core/fork_guard.h"
 
 #include <pthread.h>
 #include <unistd.h>
