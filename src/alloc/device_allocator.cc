@@ -70,6 +70,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "ctxpool/core/block.h"
+#include "ctxpool/core/fork_guard.h"
 #include "ctxpool/core/fragmentation.h"
 #include "ctxpool/core/free_index.h"
 #include "ctxpool/core/internal/spin_lock.h"
@@ -249,6 +250,9 @@ class CachingDeviceAllocator::Impl {
   }
 
   ~Impl() {
+    // In a forked child the segments, granules, events and context belong to
+    // the parent's driver state: touch none of it, leak it.
+    if (fork_guard_.InForkedChild()) return;
     Reset(/*force=*/true).IgnoreError();
     core_internal::SpinLockHolder lock(&mu_);
     {
@@ -271,6 +275,8 @@ class CachingDeviceAllocator::Impl {
 
   absl::StatusOr<DevicePtr> Allocate(std::size_t bytes, StreamHandle stream)
       ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingDeviceAllocator::Allocate"));
     if (ABSL_PREDICT_FALSE(bytes > device_total_)) {
       core_internal::SpinLockHolder lock(&mu_);
       ++invalid_requests_;
@@ -325,6 +331,8 @@ class CachingDeviceAllocator::Impl {
   }
 
   absl::Status Deallocate(DevicePtr ptr) ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingDeviceAllocator::Deallocate"));
     core_internal::SpinLockHolder lock(&mu_);
     auto it = live_.find(ptr.address());
     if (ABSL_PREDICT_FALSE(it == live_.end())) {
@@ -357,6 +365,8 @@ class CachingDeviceAllocator::Impl {
 
   absl::Status RecordStream(DevicePtr ptr, StreamHandle stream)
       ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingDeviceAllocator::RecordStream"));
     core_internal::SpinLockHolder lock(&mu_);
     auto it = live_.find(ptr.address());
     if (it == live_.end()) {
@@ -377,6 +387,7 @@ class CachingDeviceAllocator::Impl {
 
   absl::StatusOr<TrimResult> Trim(std::size_t keep_bytes)
       ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("CachingDeviceAllocator::Trim"));
     core_internal::SpinLockHolder lock(&mu_);
     ScopedContext ctx(driver_, ctx_);
     CTXPOOL_RETURN_IF_ERROR(ctx.status());
@@ -413,6 +424,8 @@ class CachingDeviceAllocator::Impl {
   }
 
   absl::StatusOr<TrimResult> TrimIdle() ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingDeviceAllocator::TrimIdle"));
     core_internal::SpinLockHolder lock(&mu_);
     ScopedContext ctx(driver_, ctx_);
     CTXPOOL_RETURN_IF_ERROR(ctx.status());
@@ -439,6 +452,8 @@ class CachingDeviceAllocator::Impl {
 
   absl::StatusOr<TenantId> RegisterTenant(absl::string_view name, Budget budget)
       ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingDeviceAllocator::RegisterTenant"));
     CTXPOOL_RETURN_IF_ERROR(ValidateBudget(budget));
     core_internal::SpinLockHolder lock(&mu_);
     if (name.empty()) {
@@ -474,6 +489,8 @@ class CachingDeviceAllocator::Impl {
   }
 
   absl::Status UnregisterTenant(TenantId tenant) ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingDeviceAllocator::UnregisterTenant"));
     core_internal::SpinLockHolder lock(&mu_);
     if (tenant == kDefaultTenant || !KnownTenant(tenant)) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -491,6 +508,8 @@ class CachingDeviceAllocator::Impl {
   }
 
   absl::Status UnbindStream(StreamHandle stream) ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingDeviceAllocator::UnbindStream"));
     core_internal::SpinLockHolder lock(&mu_);
     if (!bound_.contains(stream.value())) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -507,6 +526,8 @@ class CachingDeviceAllocator::Impl {
 
   absl::Status BindStream(StreamHandle stream, TenantId tenant)
       ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingDeviceAllocator::BindStream"));
     core_internal::SpinLockHolder lock(&mu_);
     if (!KnownTenant(tenant)) {
       return absl::InvalidArgumentError(
@@ -522,6 +543,8 @@ class CachingDeviceAllocator::Impl {
 
   absl::StatusOr<TrimResult> SetBudget(TenantId tenant, Budget budget)
       ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingDeviceAllocator::SetBudget"));
     CTXPOOL_RETURN_IF_ERROR(ValidateBudget(budget));
     core_internal::SpinLockHolder lock(&mu_);
     if (!KnownTenant(tenant)) {
@@ -561,6 +584,8 @@ class CachingDeviceAllocator::Impl {
 
   absl::StatusOr<TenantStats> GetTenantStats(TenantId tenant) const
       ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingDeviceAllocator::GetTenantStats"));
     core_internal::SpinLockHolder lock(&mu_);
     if (!KnownTenant(tenant)) {
       return absl::NotFoundError(absl::StrFormat("unknown tenant %d", tenant));
@@ -584,6 +609,7 @@ class CachingDeviceAllocator::Impl {
   }
 
   absl::Status Reset(bool force) ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("CachingDeviceAllocator::Reset"));
     core_internal::SpinLockHolder lock(&mu_);
     if (!live_.empty() && !force) {
       std::vector<const Block*> blocks;
@@ -719,6 +745,8 @@ class CachingDeviceAllocator::Impl {
 
   absl::StatusOr<BlockInfo> Lookup(DevicePtr ptr) const
       ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingDeviceAllocator::Lookup"));
     core_internal::SpinLockHolder lock(&mu_);
     auto it = live_.find(ptr.address());
     if (it == live_.end()) {
@@ -1981,6 +2009,7 @@ class CachingDeviceAllocator::Impl {
   const std::size_t granule_;  // VMM granularity (expandable mode)
   const std::unique_ptr<SegmentBacking> backing_;
   TraceRecorder recorder_;
+  const ForkGuard fork_guard_;  // after fork(): every call fails
 
   mutable core_internal::SpinLock mu_;
   BlockPool blocks_ ABSL_GUARDED_BY(mu_);
@@ -2050,6 +2079,8 @@ absl::Status CompareStats(const PoolStats& want, const PoolStats& got,
 }  // namespace
 
 absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
+  CTXPOOL_RETURN_IF_ERROR(
+      fork_guard_.Check("CachingDeviceAllocator::CheckInvariants"));
   core_internal::SpinLockHolder lock(&mu_);
   PoolStats total;
   absl::flat_hash_map<std::uint64_t, PoolStats> per_stream;

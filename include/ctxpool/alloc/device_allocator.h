@@ -105,6 +105,15 @@
 // never earlier. Partly used segments of classic mode and min do not stop
 // decay (it releases only a tenant's own idle cache).
 //
+// fork(): CUDA state does not survive fork. In a process forked after Create
+// every call that returns a Status fails with FAILED_PRECONDITION naming the
+// call and both pids (ForkGuard's message, as DeviceContext's and
+// ModelSession's: create the allocator in each worker after the fork) and
+// makes no driver call; the check is one relaxed atomic load before the
+// lock. Stats, Fragmentation, Snapshot and ResetPeakStats still work on the
+// (copied) bookkeeping. The destructor in the child makes no driver call: it
+// leaks the parent's segments, granules, events and context reference.
+//
 // Invariants (checked by CheckInvariants(), listed in device_allocator.cc):
 // segments are tiled exactly by coalesced blocks; every free block is in
 // exactly one free index; reserved == allocated + pending_free + free; every
@@ -289,7 +298,8 @@ class CachingDeviceAllocator {
   static absl::StatusOr<std::unique_ptr<CachingDeviceAllocator>> Create(
       Driver& driver, int device, DeviceAllocatorOptions options = {});
 
-  // Returns all memory to the driver (as Reset(/*force=*/true)).
+  // Returns all memory to the driver (as Reset(/*force=*/true)). In a
+  // forked child: no driver call (see "fork()" in the banner).
   ~CachingDeviceAllocator();
 
   CachingDeviceAllocator(const CachingDeviceAllocator&) = delete;
@@ -392,6 +402,8 @@ class CachingDeviceAllocator {
   // Checks the invariants (see device_allocator.cc); OK or INTERNAL naming
   // the first broken one.
   absl::Status CheckInvariants() const;
+  // (Every Status-returning method above: FAILED_PRECONDITION in a process
+  // forked after Create; see "fork()" in the banner.)
 
   int device() const;
   Driver& driver() const;
