@@ -41,8 +41,12 @@ if(TARGET ctxpool_torch)
       ${PROJECT_SOURCE_DIR}/plugins/torch/tests/torch_allocator_header_test.cc)
     target_include_directories(${name} PRIVATE
       ${PROJECT_SOURCE_DIR}/plugins/torch/tests/fake_torch)
+    # ctxpool::ctxpool only for the TSan build: libctxpool_torch.so's Abseil
+    # calls are wrapped (cmake/CtxpoolWarnings.cmake) and the wrappers live in
+    # libctxpool, which every ctxpool program links.
     target_link_libraries(${name} PRIVATE
-      ctxpool_torch GTest::gtest GTest::gtest_main ctxpool_warnings)
+      ctxpool_torch ctxpool::ctxpool GTest::gtest GTest::gtest_main
+      ctxpool_warnings)
     if(variant STREQUAL "device_index")
       target_compile_definitions(${name} PRIVATE
         CTXPOOL_FAKE_TORCH_DEVICE_INDEX_HOOK)
