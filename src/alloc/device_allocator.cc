@@ -116,6 +116,15 @@ struct StreamState {
   std::uint64_t decayed_ops = std::numeric_limits<std::uint64_t>::max();
 };
 
+// Orders streams by handle, so that loops over them (Trim, decay, a tenant's
+// streams) act in the same order in every run.
+void SortByStream(std::vector<StreamState*>* v) {
+  std::sort(v->begin(), v->end(),
+            [](const StreamState* a, const StreamState* b) {
+              return a->stream < b->stream;
+            });
+}
+
 // The allocator's segment: a core Segment plus the decay stamp of classic
 // mode. `free_since` is InfinitePast while the segment is in use or not yet
 // seen wholly free by a decay check; the first check that finds it wholly
@@ -399,10 +408,7 @@ class CachingDeviceAllocator::Impl {
     if (expandable_) {
       std::vector<StreamState*> all;
       for (auto& [stream, ss] : streams_) all.push_back(ss.get());
-      std::sort(all.begin(), all.end(),
-                [](const StreamState* a, const StreamState* b) {
-                  return a->stream < b->stream;
-                });
+      SortByStream(&all);
       for (StreamState* ss : all) {
         bool busy = false;
         status.Update(UnmapFreeGranules(ss, kNoLimit, /*wait=*/true,
@@ -1205,6 +1211,21 @@ class CachingDeviceAllocator::Impl {
     return s;
   }
 
+  // The wholly free segments (both pools) for which keep(seg) is true, in
+  // index order.
+  template <typename Keep>
+  std::vector<Segment*> WholeFreeWhere(Keep keep)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<Segment*> out;
+    for (const FreeIndex<Segment>& index : whole_free_) {
+      for (Segment* seg = index.First(); seg != nullptr;
+           seg = FreeIndex<Segment>::Next(seg)) {
+        if (keep(seg)) out.push_back(seg);
+      }
+    }
+    return out;
+  }
+
   // Returns wholly free segments (of `only`, or of every stream when null) to
   // the driver, largest first, until reserved − allocated <= keep_bytes.
   // Waits (counted in result->event_waits) for owner streams with queued
@@ -1214,13 +1235,10 @@ class CachingDeviceAllocator::Impl {
                              TrimResult* result, std::size_t* busy_bytes,
                              bool protect_min = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    std::vector<Segment*> candidates;
-    for (const FreeIndex<Segment>& index : whole_free_) {
-      for (Segment* seg = index.First(); seg != nullptr;
-           seg = FreeIndex<Segment>::Next(seg)) {
-        if (only == nullptr || Owner(seg) == only) candidates.push_back(seg);
-      }
-    }
+    std::vector<Segment*> candidates =
+        WholeFreeWhere([&](Segment* seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return only == nullptr || Owner(seg) == only;
+        });
     const std::size_t allocated = Current(total_.allocated_bytes);
     return DropWholeFree(
         std::move(candidates), /*wait=*/true, protect_min,
@@ -1292,13 +1310,10 @@ class CachingDeviceAllocator::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const std::size_t high = tenants_[t]->budget.high;
     if (TenantMapped(t) <= high) return absl::OkStatus();
-    std::vector<Segment*> candidates;
-    for (const FreeIndex<Segment>& index : whole_free_) {
-      for (Segment* seg = index.First(); seg != nullptr;
-           seg = FreeIndex<Segment>::Next(seg)) {
-        if (Owner(seg)->tenant == t) candidates.push_back(seg);
-      }
-    }
+    std::vector<Segment*> candidates =
+        WholeFreeWhere([&](Segment* seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return Owner(seg)->tenant == t;
+        });
     return DropWholeFree(
         std::move(candidates), /*wait=*/false, /*protect_min=*/false,
         [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -1353,10 +1368,7 @@ class CachingDeviceAllocator::Impl {
           stale.push_back(ss.get());
         }
       }
-      std::sort(stale.begin(), stale.end(),
-                [](const StreamState* a, const StreamState* b) {
-                  return a->stream < b->stream;
-                });
+      SortByStream(&stale);
       for (StreamState* ss : stale) {
         bool busy = false;
         absl::Status s = UnmapFreeGranules(ss, kNoLimit, /*wait=*/false,
@@ -1369,18 +1381,15 @@ class CachingDeviceAllocator::Impl {
         }
       }
     } else {
-      std::vector<Segment*> stale;
-      for (const FreeIndex<Segment>& index : whole_free_) {
-        for (Segment* seg = index.First(); seg != nullptr;
-             seg = FreeIndex<Segment>::Next(seg)) {
-          auto* d = static_cast<DeviceSegment*>(seg);
-          if (d->free_since == absl::InfinitePast()) {
-            d->free_since = now;
-          } else if (d->free_since <= cutoff) {
-            stale.push_back(seg);
-          }
+      // Stamps segments seen wholly free for the first time; takes the stale.
+      std::vector<Segment*> stale = WholeFreeWhere([&](Segment* seg) {
+        auto* d = static_cast<DeviceSegment*>(seg);
+        if (d->free_since != absl::InfinitePast()) {
+          return d->free_since <= cutoff;
         }
-      }
+        d->free_since = now;
+        return false;
+      });
       status.Update(DropWholeFree(
           std::move(stale), /*wait=*/false, /*protect_min=*/false,
           [] { return false; }, result, busy_bytes));
@@ -1413,10 +1422,7 @@ class CachingDeviceAllocator::Impl {
     for (const auto& [stream, ss] : streams_) {
       if (ss->tenant == t) v.push_back(ss.get());
     }
-    std::sort(v.begin(), v.end(),
-              [](const StreamState* a, const StreamState* b) {
-                return a->stream < b->stream;
-              });
+    SortByStream(&v);
     return v;
   }
   void NotePeak(TenantId t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
