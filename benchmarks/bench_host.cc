@@ -54,6 +54,7 @@
 #include "ctxpool/core/host_size_classes.h"
 #include "ctxpool/driver/cuda_driver.h"
 #include "ctxpool/driver/sim_driver.h"
+#include "support/forwarding_reporter.h"
 
 namespace ctxpool {
 namespace {
@@ -322,39 +323,9 @@ void RegisterBenchmarks() {
 
 // Wraps the display reporter; keeps each run's time per iteration (ns) and
 // counters (the median aggregate when repeated, else the last run).
-class RatioReporter final : public benchmark::BenchmarkReporter {
+class RatioReporter final : public bench::ForwardingReporter {
  public:
-  explicit RatioReporter(benchmark::BenchmarkReporter* display)
-      : display_(display) {}
-  bool ReportContext(const Context& context) override {
-    return display_->ReportContext(context);
-  }
-  void ReportRuns(const std::vector<Run>& runs) override {
-    display_->ReportRuns(runs);
-    for (const Run& run : runs) {
-      if (run.error_occurred) {
-        ++errors_;
-        continue;
-      }
-      const bool median =
-          run.run_type == Run::RT_Aggregate && run.aggregate_name == "median";
-      if (run.run_type == Run::RT_Aggregate && !median) continue;
-      Cell& c = cells_[run.run_name.str()];
-      if (c.from_median && !median) continue;
-      c.from_median = median;
-      const double to_ns =
-          benchmark::GetTimeUnitMultiplier(benchmark::kNanosecond) /
-          benchmark::GetTimeUnitMultiplier(run.time_unit);
-      c.ns = run.GetAdjustedCPUTime() * to_ns;
-      c.wall_ns = run.GetAdjustedRealTime() * to_ns;
-      for (const auto& [k, v] : run.counters) c.counters[k] = v.value;
-    }
-  }
-  void Finalize() override { display_->Finalize(); }
-  bool console() const {
-    return dynamic_cast<benchmark::ConsoleReporter*>(display_) != nullptr;
-  }
-  int errors() const { return errors_; }
+  using ForwardingReporter::ForwardingReporter;
 
   const double* Ns(const std::string& name) const {
     auto it = cells_.find(name);
@@ -368,15 +339,28 @@ class RatioReporter final : public benchmark::BenchmarkReporter {
   }
 
  private:
+  void Collect(const Run& run) override {
+    const bool median =
+        run.run_type == Run::RT_Aggregate && run.aggregate_name == "median";
+    if (run.run_type == Run::RT_Aggregate && !median) return;
+    Cell& c = cells_[run.run_name.str()];
+    if (c.from_median && !median) return;
+    c.from_median = median;
+    const double to_ns =
+        benchmark::GetTimeUnitMultiplier(benchmark::kNanosecond) /
+        benchmark::GetTimeUnitMultiplier(run.time_unit);
+    c.ns = run.GetAdjustedCPUTime() * to_ns;
+    c.wall_ns = run.GetAdjustedRealTime() * to_ns;
+    for (const auto& [k, v] : run.counters) c.counters[k] = v.value;
+  }
+
   struct Cell {
     double ns = 0;  // CPU time per iteration
     double wall_ns = 0;
     bool from_median = false;
     std::map<std::string, double> counters;
   };
-  benchmark::BenchmarkReporter* display_;
   std::map<std::string, Cell> cells_;
-  int errors_ = 0;
 };
 
 void PrintTable(const RatioReporter& r, std::FILE* out) {

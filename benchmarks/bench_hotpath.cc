@@ -65,6 +65,7 @@
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "ctxpool/driver/types.h"
+#include "support/forwarding_reporter.h"
 
 #if defined(CTXPOOL_HAVE_CUB_PEER)
 #include "peers/cub_peer.h"
@@ -415,40 +416,9 @@ absl::Status SmokeCheck(Impl impl) {
 // Wraps the display reporter; keeps ns_per_pair and wall_ns_per_pair of each
 // run (the median aggregate when repetitions produce one, else the median of
 // the runs).
-class RatioReporter final : public benchmark::BenchmarkReporter {
+class RatioReporter final : public bench::ForwardingReporter {
  public:
-  explicit RatioReporter(benchmark::BenchmarkReporter* display)
-      : display_(display) {}
-
-  bool ReportContext(const Context& context) override {
-    return display_->ReportContext(context);
-  }
-  void ReportRuns(const std::vector<Run>& runs) override {
-    display_->ReportRuns(runs);
-    for (const Run& run : runs) {
-      if (run.error_occurred) {
-        ++errors_;
-        continue;
-      }
-      for (const char* counter_name : {"ns_per_pair", "wall_ns_per_pair"}) {
-        auto counter = run.counters.find(counter_name);
-        if (counter == run.counters.end()) continue;
-        Cell& cell = cells_[{run.run_name.function_name,
-                             static_cast<int>(run.threads), counter_name}];
-        if (run.run_type == Run::RT_Aggregate) {
-          if (run.aggregate_name == "median") cell.median = counter->second;
-        } else {
-          cell.samples.push_back(counter->second);
-        }
-      }
-    }
-  }
-  void Finalize() override { display_->Finalize(); }
-
-  int errors() const { return errors_; }
-  bool console() const {
-    return dynamic_cast<benchmark::ConsoleReporter*>(display_) != nullptr;
-  }
+  using ForwardingReporter::ForwardingReporter;
 
   // `counter` of "BM_Hotpath/<impl>/mix:<mix>" with `threads`.
   std::optional<double> Get(absl::string_view impl, absl::string_view mix,
@@ -466,13 +436,25 @@ class RatioReporter final : public benchmark::BenchmarkReporter {
   }
 
  private:
+  void Collect(const Run& run) override {
+    for (const char* counter_name : {"ns_per_pair", "wall_ns_per_pair"}) {
+      auto counter = run.counters.find(counter_name);
+      if (counter == run.counters.end()) continue;
+      Cell& cell = cells_[{run.run_name.function_name,
+                           static_cast<int>(run.threads), counter_name}];
+      if (run.run_type == Run::RT_Aggregate) {
+        if (run.aggregate_name == "median") cell.median = counter->second;
+      } else {
+        cell.samples.push_back(counter->second);
+      }
+    }
+  }
+
   struct Cell {
     std::optional<double> median;
     std::vector<double> samples;
   };
-  benchmark::BenchmarkReporter* display_;
   std::map<std::tuple<std::string, int, std::string>, Cell> cells_;
-  int errors_ = 0;
 };
 
 void PrintTable(const RatioReporter& r, bool with_cub, std::FILE* out) {
