@@ -1,5 +1,6 @@
 #include "ctxpool/trace/trace_io.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 
@@ -268,6 +269,44 @@ TEST(TraceJson, RejectsMalformedEventsWithLineNumber) {
           .status()
           .message(),
       HasSubstr("unsupported version 2"));
+}
+
+// Whatever a trace holds, its CSV form reads back: times up to the int64
+// limit of nanoseconds (2562047 hours) included.
+TEST(TraceCsv, RoundTripsTimesUpToTheInt64Limit) {
+  for (std::int64_t t :
+       {std::int64_t{9'000'000'000'000'000'000}, std::int64_t{INT64_MAX},
+        std::int64_t{7'200'000'000'000'000}}) {
+    Trace trace;
+    trace.Append(Ev(t, TraceOp::kAlloc, 0x1000, 512));
+    trace.Append(Ev(t, TraceOp::kFree, 0x1000, 512));
+    absl::StatusOr<Trace> back = ParseTrace(WriteTraceCsv(trace), "big");
+    ASSERT_TRUE(back.ok()) << t << ": " << back.status();
+    EXPECT_EQ(*back, trace) << t;
+    absl::StatusOr<Trace> json = ParseTrace(WriteTraceJson(trace), "big");
+    ASSERT_TRUE(json.ok()) << json.status();
+    EXPECT_EQ(*json, trace);
+  }
+  // One nanosecond past the limit is refused, not wrapped.
+  const std::string over =
+      "Thread,Time,Action,Pointer,Size,Stream\n"
+      "0,2562047:47:16.854775808,allocate,0x1000,512,0x0\n";
+  EXPECT_THAT(ParseTrace(over, "over").status().message(),
+              HasSubstr("bad time"));
+}
+
+// A directory, a missing file: a Status naming the path, never an
+// exception.
+TEST(TraceFile, DirectoryOrMissingFileIsAnError) {
+  const std::string dir = DataPath("");
+  absl::StatusOr<Trace> t = ReadTraceFile(dir);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(t.status().message(), HasSubstr("is a directory"));
+  absl::StatusOr<Trace> missing = ReadTraceFile(DataPath("no-such.csv"));
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(missing.status().message(), HasSubstr("no-such.csv"));
 }
 
 }  // namespace

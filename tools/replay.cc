@@ -110,6 +110,14 @@ int ParseArgs(int argc, char** argv, Args* a) {
     } else if (arg == "--device") {
       const char* v = need_value(i, "--device");
       if (v == nullptr) return 2;
+      // An empty name is a mistake (an unset shell variable), not a request
+      // for the default device.
+      if (*v == '\0') {
+        std::fprintf(stderr,
+                     "ctxpool replay: --device needs a preset name (%s)\n",
+                     absl::StrJoin(SimDevicePresetNames(), ", ").c_str());
+        return 2;
+      }
       a->config.device = v;
     } else if (arg == "--capacity") {
       const char* v = need_value(i, "--capacity");

@@ -1,8 +1,12 @@
 #include "ctxpool/trace/trace_io.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <optional>
@@ -63,10 +67,16 @@ bool ParseClockTime(absl::string_view s, std::int64_t* ns) {
     }
   }
   for (; digits < 9; ++digits) frac *= 10;
-  // Hours up to 2e6 (228 years) keep the nanoseconds inside int64.
-  if (h > 2'000'000 || m >= 60 || sec > 60) return false;
-  *ns = static_cast<std::int64_t>(((h * 60 + m) * 60 + sec) * 1'000'000'000 +
-                                  frac);
+  // Every time that fits an int64 of nanoseconds (up to 2562047:47:16.85...)
+  // reads back, so whatever FormatClockTime writes parses again.
+  constexpr std::uint64_t kMaxNs = static_cast<std::uint64_t>(INT64_MAX);
+  constexpr std::uint64_t kMaxSeconds = kMaxNs / 1'000'000'000;
+  if (m >= 60 || sec > 60 || h > kMaxSeconds / 3600) return false;
+  const std::uint64_t seconds = (h * 60 + m) * 60 + sec;
+  if (seconds > kMaxSeconds) return false;
+  const std::uint64_t total = seconds * 1'000'000'000 + frac;
+  if (total > kMaxNs) return false;
+  *ns = static_cast<std::int64_t>(total);
   return true;
 }
 
@@ -552,11 +562,29 @@ absl::StatusOr<Trace> ParseTrace(absl::string_view text, absl::string_view name,
 
 absl::StatusOr<Trace> ReadTraceFile(const std::string& path,
                                     const TraceReadOptions& options) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  std::string text((std::istreambuf_iterator<char>(in)),
-                   std::istreambuf_iterator<char>());
-  if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read ", path));
+  // stdio, not iostreams: reading a directory (or any read error) must come
+  // back as a Status, and libstdc++'s streambuf throws on EISDIR.
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " is a directory, not a trace file"));
+  }
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  }
+  std::string text;
+  char buf[1 << 16];
+  std::size_t n = 0;
+  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) text.append(buf, n);
+  const bool failed = std::ferror(f) != 0;
+  const int err = errno;
+  std::fclose(f);
+  if (failed) {
+    return absl::DataLossError(
+        absl::StrCat("cannot read ", path, ": ", std::strerror(err)));
+  }
   return ParseTrace(text, path, options);
 }
 
