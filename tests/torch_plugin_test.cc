@@ -282,6 +282,25 @@ TEST_F(TorchPluginTest, MallocThrowsBadAllocWithTheReport) {
   api_.free(again, 20 * kGiB, 0, nullptr);
 }
 
+// More than the whole device can never fit: PyTorch's allocator (and
+// cudaMalloc) call that out of memory, so ctxpool_malloc throws bad_alloc.
+TEST_F(TorchPluginTest, MallocLargerThanTheDeviceIsOutOfMemory) {
+  for (std::size_t size : {std::size_t{1} << 50, std::size_t{1} << 63}) {
+    std::string what;
+    try {
+      (void)api_.malloc(size, 0, nullptr);
+      ADD_FAILURE() << "no exception";
+    } catch (const std::bad_alloc& e) {
+      what = e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "not out of memory: " << e.what();
+    }
+    EXPECT_NE(what.find("out of memory"), std::string::npos) << what;
+    EXPECT_NE(what.find("total memory"), std::string::npos) << what;
+  }
+  EXPECT_EQ(Stat("allocation.all.current"), 0);
+}
+
 TEST_F(TorchPluginTest, MallocThrowsRuntimeErrorForABadDevice) {
   std::string what;
   try {

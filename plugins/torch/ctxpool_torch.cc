@@ -163,6 +163,13 @@ class PluginState {
       if (recorder_.enabled()) {
         recorder_.Record(TraceOp::kOom, 0, size, stream.value(), model_id);
       }
+      // More than the whole device is out of memory to PyTorch (as
+      // cudaMalloc and its own allocator say), not a bad argument.
+      if (p.status().code() == absl::StatusCode::kInvalidArgument &&
+          size > session->device().device_allocator().device_total_bytes()) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("out of memory: ", p.status().message()));
+      }
       return p.status();
     }
     {

@@ -51,7 +51,9 @@
 #include "ctxpool/alloc/device_allocator.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -64,6 +66,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/container/inlined_vector.h"
+#include "absl/numeric/bits.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -101,6 +104,10 @@ struct StreamState {
   // Found destroyed (CUDA_ERROR_INVALID_HANDLE) and its work waited for:
   // nothing can be enqueued on it any more, so its memory is idle.
   bool destroyed = false;
+  // RetireStream: the handle is dead to the allocator; `retire_event`,
+  // recorded on it before it was destroyed, orders all its work.
+  bool retired = false;
+  EventHandle retire_event;
   TenantId tenant = kDefaultTenant;
   // Expandable mode: the stream's range segment per pool (null until used).
   Segment* range[2] = {nullptr, nullptr};
@@ -135,11 +142,115 @@ struct DeviceSegment : Segment {
 };
 
 // Expandable mode: the virtual range behind a segment and its granules.
+// The granules' physical handles sit in a sparse two-level table: chunks of
+// 64 granules (a bit mask and the handles), only for chunks with a mapped
+// granule, so host memory and every walk follow the mapped bytes, not the
+// range's size (twice the device's capacity). A one-chunk hint keeps the
+// hot path's "is this block mapped" check O(1).
 struct VmmRange {
+  static constexpr std::size_t kChunk = 64;
+  struct Chunk {
+    std::uint64_t bits = 0;  // bit k: granule chunk * 64 + k is mapped
+    std::array<PhysicalMemHandle, kChunk> handles;
+  };
+
   std::uint64_t base = 0;
   std::size_t size = 0;
-  std::vector<PhysicalMemHandle> slots;  // null = not mapped
-  std::size_t mapped = 0;                // bytes
+  std::size_t mapped = 0;  // bytes
+  absl::btree_map<std::size_t, std::unique_ptr<Chunk>> chunks;
+
+  bool IsMapped(std::size_t i) const {
+    const Chunk* c = Find(i / kChunk);
+    return c != nullptr && ((c->bits >> (i % kChunk)) & 1) != 0;
+  }
+  void Set(std::size_t i, PhysicalMemHandle h) {
+    std::unique_ptr<Chunk>& c = chunks[i / kChunk];
+    if (c == nullptr) c = std::make_unique<Chunk>();
+    c->bits |= std::uint64_t{1} << (i % kChunk);
+    c->handles[i % kChunk] = h;
+  }
+  // Removes granule i's entry and returns its handle (null if unmapped).
+  PhysicalMemHandle Take(std::size_t i) {
+    auto it = chunks.find(i / kChunk);
+    if (it == chunks.end()) return PhysicalMemHandle();
+    Chunk& c = *it->second;
+    const std::uint64_t bit = std::uint64_t{1} << (i % kChunk);
+    if ((c.bits & bit) == 0) return PhysicalMemHandle();
+    const PhysicalMemHandle h = c.handles[i % kChunk];
+    c.bits &= ~bit;
+    c.handles[i % kChunk] = PhysicalMemHandle();
+    if (c.bits == 0) {
+      if (hint_ == it->second.get()) hint_ = nullptr;
+      chunks.erase(it);
+    }
+    return h;
+  }
+  // Calls fn(i, handle) for each mapped granule i in [lo, hi), in order;
+  // stops when fn returns false.
+  template <typename Fn>
+  void ForEachMapped(std::size_t lo, std::size_t hi, Fn fn) const {
+    if (lo >= hi) return;
+    for (auto it = chunks.lower_bound(lo / kChunk);
+         it != chunks.end() && it->first * kChunk < hi; ++it) {
+      std::uint64_t bits = it->second->bits;
+      while (bits != 0) {
+        const int k = absl::countr_zero(bits);
+        bits &= bits - 1;
+        const std::size_t i = it->first * kChunk + static_cast<std::size_t>(k);
+        if (i < lo) continue;
+        if (i >= hi) return;
+        if (!fn(i, it->second->handles[static_cast<std::size_t>(k)])) return;
+      }
+    }
+  }
+  // Whether every granule in [lo, hi) is mapped: the hot path's check, a
+  // mask test when the range lies in one chunk (the common case).
+  bool AllMapped(std::size_t lo, std::size_t hi) const {
+    if (lo >= hi) return true;
+    if (ABSL_PREDICT_TRUE(lo / kChunk == (hi - 1) / kChunk)) {
+      const Chunk* c = Find(lo / kChunk);
+      if (c == nullptr) return false;
+      const std::uint64_t mask = MaskOf(lo, hi);
+      return (c->bits & mask) == mask;
+    }
+    return CountMapped(lo, hi) == hi - lo;
+  }
+  // Mapped granules among [lo, hi).
+  std::size_t CountMapped(std::size_t lo, std::size_t hi) const {
+    if (lo >= hi) return 0;
+    if (lo / kChunk == (hi - 1) / kChunk) {  // one chunk: the hot path
+      const Chunk* c = Find(lo / kChunk);
+      if (c == nullptr) return 0;
+      return static_cast<std::size_t>(absl::popcount(c->bits & MaskOf(lo, hi)));
+    }
+    std::size_t n = 0;
+    ForEachMapped(lo, hi, [&n](std::size_t, PhysicalMemHandle) {
+      ++n;
+      return true;
+    });
+    return n;
+  }
+
+ private:
+  // The bits of granules [lo, hi) within their chunk. REQUIRES: one chunk.
+  static std::uint64_t MaskOf(std::size_t lo, std::size_t hi) {
+    const std::size_t width = hi - lo;
+    return (width == kChunk ? ~std::uint64_t{0}
+                            : ((std::uint64_t{1} << width) - 1))
+           << (lo % kChunk);
+  }
+  const Chunk* Find(std::size_t chunk) const {
+    if (hint_ != nullptr && hint_index_ == chunk) return hint_;
+    auto it = chunks.find(chunk);
+    if (it == chunks.end()) return nullptr;
+    hint_index_ = chunk;
+    hint_ = it->second.get();
+    return hint_;
+  }
+  // The chunk last found (the allocator's lock guards the range, so the
+  // const lookups may update it).
+  mutable std::size_t hint_index_ = 0;
+  mutable Chunk* hint_ = nullptr;
 };
 
 // A physical granule not mapped anywhere, kept for reuse.
@@ -228,6 +339,14 @@ absl::Status ValidateOptions(const DeviceAllocatorOptions& o) {
 }  // namespace
 
 std::string OomReport::ToString() const {
+  if (tenant_limit) {
+    return absl::StrFormat(
+        "out of memory for tenant '%s': requested %d bytes on stream 0x%x "
+        "needs %d more bytes of physical memory; the tenant holds %d bytes "
+        "(%d live) and its max is %d bytes",
+        tenant, requested_bytes, stream.value(), growth_bytes, tenant_bytes,
+        tenant_live_bytes, tenant_max_bytes);
+  }
   return absl::StrFormat(
       "out of memory: requested %d bytes (%d rounded) on stream 0x%x; live "
       "%d bytes, reserved %d bytes, largest free block %d bytes, "
@@ -267,9 +386,23 @@ class CachingDeviceAllocator::Impl {
     {
       ScopedContext ctx(driver_, ctx_);
       if (ctx.status().ok()) {
+        for (auto& [stream, ss] : streams_) {
+          if (ss->retired) PutEvent(ss->retire_event);
+        }
         for (EventHandle e : event_pool_) driver_.EventDestroy(e).IgnoreError();
-        ReleaseGranuleCache(0, nullptr).IgnoreError();
+        // Each cached granule is released once; one the driver refuses is
+        // leaked (the driver frees it when the process exits).
+        for (const CachedGranule& g : granule_cache_) {
+          if (driver_.MemRelease(g.handle).ok()) {
+            ++upstream_frees_;
+          } else {
+            leaked_bytes_ += granule_;
+          }
+        }
+      } else {
+        leaked_bytes_ += CacheBytes();
       }
+      granule_cache_.clear();
       event_pool_.clear();
     }
     if (owns_ctx_) driver_.PrimaryCtxRelease(device_).IgnoreError();
@@ -277,6 +410,7 @@ class CachingDeviceAllocator::Impl {
 
   Driver& driver() const { return driver_; }
   int device() const { return device_; }
+  std::size_t device_total_bytes() const { return device_total_; }
   const DeviceAllocatorOptions& options() const { return options_; }
   TraceRecorder& recorder() { return recorder_; }
 
@@ -666,10 +800,16 @@ class CachingDeviceAllocator::Impl {
     }
     for (const PendingEvent& p : pending_) PutEvent(p.event);
     pending_.clear();
-    while (!segments_.empty()) {
-      Segment* seg = segments_.begin()->second.get();
+    // Without force a segment whose free fails stays on the books (wholly
+    // free: Reset refused above while anything was live) so that the next
+    // Reset or Trim returns it; with force it is dropped and counted in
+    // leaked_bytes.
+    std::vector<Segment*> all;
+    all.reserve(segments_.size());
+    for (const auto& [base, seg] : segments_) all.push_back(seg.get());
+    for (Segment* seg : all) {
       absl::Status s = DropSegment(seg, /*free_memory=*/ctx.status().ok(),
-                                   /*keep_on_error=*/false);
+                                   /*keep_on_error=*/!force);
       if (!s.ok()) note(s);
     }
     if (ctx.status().ok()) note(ReleaseGranuleCache(0, nullptr));
@@ -699,6 +839,8 @@ class CachingDeviceAllocator::Impl {
     s.invalid_frees = invalid_frees_;
     s.invalid_requests = invalid_requests_;
     s.destroyed_streams = destroyed_streams_;
+    s.driver_errors = driver_errors_;
+    s.leaked_bytes = leaked_bytes_;
     s.granule_maps = granule_maps_;
     s.granule_unmaps = granule_unmaps_;
     s.granule_cache_bytes = CacheBytes();
@@ -805,9 +947,73 @@ class CachingDeviceAllocator::Impl {
     }
     // Work is being enqueued on it, so the handle is alive (again).
     ss->destroyed = false;
+    if (ABSL_PREDICT_FALSE(ss->retired)) Revive(ss);
     return ss;
   }
 
+  // A retired handle is in use again (a new stream got it): order the new
+  // stream after the old one's work once, then treat it as any stream.
+  void Revive(StreamState* ss) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ScopedContext ctx(driver_, ctx_);
+    absl::Status s = ctx.status();
+    if (s.ok()) {
+      s = driver_.StreamWaitEvent(StreamHandle(ss->stream), ss->retire_event);
+    }
+    if (s.ok()) {
+      ++num_stream_waits_;
+    } else {
+      ++driver_errors_;
+      ++num_host_syncs_;
+      if (!driver_.EventSynchronize(ss->retire_event).ok()) {
+        // Nothing orders the old work any more: wait for the context.
+        driver_.CtxSynchronize().IgnoreError();
+      }
+    }
+    PutEvent(ss->retire_event);
+    ss->retire_event = EventHandle();
+    ss->retired = false;
+  }
+
+  // Whether the retire event of `ss` completed, waiting for it with `wait`
+  // (counted in *waits). A query or wait that fails is not a completion.
+  bool RetiredIdle(StreamState* ss, bool wait, int* waits)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::StatusOr<bool> done = driver_.EventQuery(ss->retire_event);
+    if (done.ok() && *done) return true;
+    if (!done.ok()) ++driver_errors_;
+    if (!wait) return false;
+    ++num_host_syncs_;
+    if (waits != nullptr) ++*waits;
+    if (driver_.EventSynchronize(ss->retire_event).ok()) return true;
+    ++driver_errors_;
+    return false;
+  }
+
+ public:
+  absl::Status RetireStream(StreamHandle stream) ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingDeviceAllocator::RetireStream"));
+    core_internal::SpinLockHolder lock(&mu_);
+    auto it = streams_.find(stream.value());
+    if (it == streams_.end()) return absl::OkStatus();
+    StreamState* ss = it->second.get();
+    if (ss->retired || ss->destroyed) return absl::OkStatus();
+    ScopedContext ctx(driver_, ctx_);
+    CTXPOOL_RETURN_IF_ERROR(ctx.status());
+    CTXPOOL_ASSIGN_OR_RETURN(EventHandle e, GetEvent());
+    absl::Status s = driver_.EventRecord(e, stream);
+    if (!s.ok()) {
+      PutEvent(e);
+      if (IsInvalidHandle(s)) return HandleDestroyed(ss);
+      return s;
+    }
+    ss->retired = true;
+    ss->retire_event = e;
+    if (last_stream_ == ss) last_stream_ = nullptr;
+    return absl::OkStatus();
+  }
+
+ private:
   // ---- Free index maintenance ----------------------------------------------
 
   // Links a free block into its owner's index (and a wholly free segment into
@@ -941,6 +1147,11 @@ class CachingDeviceAllocator::Impl {
   absl::Status EnsureIdle(StreamState* ss, int* waits)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (ss->destroyed) return absl::OkStatus();
+    if (ss->retired) {
+      if (RetiredIdle(ss, /*wait=*/true, waits)) return absl::OkStatus();
+      return absl::InternalError(absl::StrFormat(
+          "cannot wait for the work of retired stream 0x%x", ss->stream));
+    }
     CTXPOOL_ASSIGN_OR_RETURN(EventHandle e, GetEvent());
     absl::Status s = driver_.EventRecord(e, StreamHandle(ss->stream));
     if (!s.ok()) {
@@ -968,6 +1179,17 @@ class CachingDeviceAllocator::Impl {
     absl::InlinedVector<EventHandle, 4> events;
     bool need_sync = false;
     for (std::uint64_t s : b->stream_uses) {
+      if (auto it = streams_.find(s);
+          it != streams_.end() && it->second->retired) {
+        // Its work is ordered by the retire event: no record on the dead
+        // handle; the block waits for that event here (rare: a stream
+        // retired while a block it used is still live).
+        if (!RetiredIdle(it->second.get(), /*wait=*/true, nullptr)) {
+          need_sync = true;
+          break;
+        }
+        continue;
+      }
       absl::StatusOr<EventHandle> e = GetEvent();
       if (!e.ok()) {
         need_sync = true;
@@ -1028,12 +1250,18 @@ class CachingDeviceAllocator::Impl {
     std::size_t i = 0;
     while (i < pending_.size()) {
       PendingEvent p = pending_[i];
+      // A failed query is not a completion: the other stream may still use
+      // the block. It stays pending (counted) until a query or a wait
+      // succeeds, or Reset(force) drops it.
       absl::StatusOr<bool> done = driver_.EventQuery(p.event);
-      bool complete = !done.ok() || *done;  // an error: nothing to wait for
+      if (!done.ok()) ++driver_errors_;
+      bool complete = done.ok() && *done;
       if (!complete && waits != nullptr) {
         ++num_host_syncs_;
         ++*waits;
-        complete = driver_.EventSynchronize(p.event).ok();
+        absl::Status synced = driver_.EventSynchronize(p.event);
+        if (!synced.ok()) ++driver_errors_;
+        complete = synced.ok();
       }
       if (!complete) {
         ++i;
@@ -1062,17 +1290,56 @@ class CachingDeviceAllocator::Impl {
   // ---- Segments
   // --------------------------------------------------------------
 
-  // A wholly free segment of another stream that can serve the request.
-  Segment* FindStealable(StreamState* ss, std::size_t rounded, bool small)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // The smallest wholly free segment of another stream that can serve the
+  // request and that allow(seg) accepts.
+  template <typename Allow>
+  Segment* FindStealable(StreamState* ss, std::size_t rounded, bool small,
+                         Allow allow) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const FreeIndex<Segment>& index = whole_free_[PoolIndex(small)];
     for (Segment* seg = index.LowerBound(rounded); seg != nullptr;
          seg = FreeIndex<Segment>::Next(seg)) {
-      if (Owner(seg) != ss && classes_.CanServe(seg->size, rounded)) {
+      if (Owner(seg) != ss && classes_.CanServe(seg->size, rounded) &&
+          allow(seg)) {
         return seg;
       }
     }
     return nullptr;
+  }
+
+  // Classic mode under device pressure: takes another tenant's wholly free
+  // segment that can serve the request, never below that tenant's min nor
+  // above the requester's max, and counts it as reclaimed on both sides.
+  absl::StatusOr<Segment*> ReclaimSegment(StreamState* ss, std::size_t rounded,
+                                          bool small)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const Budget& mine = tenants_[ss->tenant]->budget;
+    Segment* seg = FindStealable(
+        ss, rounded, small, [&](Segment* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          const TenantId owner = Owner(s)->tenant;
+          if (owner == ss->tenant) return true;
+          const std::size_t min = tenants_[owner]->budget.min;
+          return TenantMapped(owner) >= min + s->size &&
+                 (mine.max == kNoLimit ||
+                  TenantMapped(ss->tenant) + s->size <= mine.max);
+        });
+    if (seg == nullptr) return nullptr;
+    const TenantId owner = Owner(seg)->tenant;
+    CTXPOOL_RETURN_IF_ERROR(MoveSegment(seg, ss));
+    if (owner != ss->tenant) {
+      tenants_[owner]->reclaimed_from += seg->size;
+      tenants_[ss->tenant]->reclaimed_by += seg->size;
+    }
+    return seg;
+  }
+
+  // Per tenant, the bytes it holds (the OOM path's before/after count).
+  std::vector<std::size_t> MappedByTenant() const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<std::size_t> v(tenants_.size(), 0);
+    for (const auto& [stream, ss] : streams_) {
+      v[ss->tenant] += Current(ss->stats.reserved_bytes);
+    }
+    return v;
   }
 
   // Hands wholly free `seg` to stream `to`, ordering `to`'s later work after
@@ -1080,7 +1347,15 @@ class CachingDeviceAllocator::Impl {
   absl::Status MoveSegment(Segment* seg, StreamState* to)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     StreamState* from = Owner(seg);
-    if (!from->destroyed) {
+    if (from->retired) {
+      absl::Status s =
+          driver_.StreamWaitEvent(StreamHandle(to->stream), from->retire_event);
+      if (!s.ok()) {
+        if (IsInvalidHandle(s)) ++invalid_requests_;
+        return s;
+      }
+      ++num_stream_waits_;
+    } else if (!from->destroyed) {
       CTXPOOL_ASSIGN_OR_RETURN(EventHandle e, GetEvent());
       absl::Status s = driver_.EventRecord(e, StreamHandle(from->stream));
       if (!s.ok()) {
@@ -1155,15 +1430,27 @@ class CachingDeviceAllocator::Impl {
       // Unmap every granule (to the cache), then give the range back.
       VmmRange* r = RangeOf(seg);
       if (free_memory) {
-        for (std::size_t i = 0; i < r->slots.size(); ++i) {
-          if (!r->slots[i].is_null()) {
-            absl::Status u = UnmapGranule(seg, i);
-            if (!u.ok() && s.ok()) s = u;
-          }
+        std::vector<std::size_t> mapped;
+        mapped.reserve(r->mapped / granule_);
+        r->ForEachMapped(0, r->size / granule_,
+                         [&mapped](std::size_t i, PhysicalMemHandle) {
+                           mapped.push_back(i);
+                           return true;
+                         });
+        for (std::size_t i : mapped) {
+          absl::Status u = UnmapGranule(seg, i);
+          if (!u.ok() && s.ok()) s = u;
         }
-        if (s.ok()) s = driver_.MemAddressFree(DevicePtr(r->base), r->size);
+        // The granules unmapped so far are in the cache; the rest stay
+        // mapped under free blocks, and the range stays, for a retry.
+        if (!s.ok() && keep_on_error) return s;
+        if (s.ok()) {
+          s = driver_.MemAddressFree(DevicePtr(r->base), r->size);
+          if (!s.ok() && keep_on_error) return s;
+        }
       }
-      // Whatever could not be unmapped is dropped from the books.
+      // Whatever could not be unmapped is dropped from the books: leaked.
+      leaked_bytes_ += r->mapped;
       Bump(ss, &PoolStats::reserved_bytes, small,
            -static_cast<std::int64_t>(r->mapped));
       r->mapped = 0;
@@ -1179,7 +1466,11 @@ class CachingDeviceAllocator::Impl {
         }
       } else if (keep_on_error) {
         return s;
+      } else {
+        leaked_bytes_ += seg->size;
       }
+    } else {
+      leaked_bytes_ += seg->size;  // never freed: no context to free it in
     }
     for (Block* b = seg->first; b != nullptr;) {
       Block* next = b->next;
@@ -1429,25 +1720,20 @@ class CachingDeviceAllocator::Impl {
     Tenant& tn = *tenants_[t];
     tn.peak = std::max(tn.peak, TenantMapped(t));
   }
-  absl::Status TenantOom(StreamState* ss, std::size_t requested,
-                         std::size_t growth)
+  // A tenant's max refused `growth` more bytes: fills the report (the
+  // device part too) and sets *oom, so that Allocate calls on_oom and counts
+  // the failure as for a device OOM.
+  absl::Status TenantOom(StreamState* ss, std::size_t rounded,
+                         std::size_t requested, std::size_t growth,
+                         OomReport* report, bool* oom)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Tenant& t = *tenants_[ss->tenant];
-    ++t.ooms;
-    ++num_ooms_;
-    if (recorder_.enabled()) {
-      recorder_.Record(TraceOp::kOom, 0, requested, ss->stream, ss->tenant);
-    }
-    std::size_t live = 0;
-    for (StreamState* x : TenantStreams(ss->tenant)) {
-      live += Current(x->stats.allocated_bytes);
-    }
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "out of memory for tenant '%s': requested %d bytes on stream 0x%x "
-        "needs %d more bytes of physical memory; the tenant holds %d bytes "
-        "(%d live) and its max is %d bytes",
-        t.name, requested, ss->stream, growth, TenantMapped(ss->tenant), live,
-        t.budget.max));
+    const Tenant& t = *tenants_[ss->tenant];
+    FillReport(ss, rounded, requested, report);
+    report->tenant_limit = true;
+    report->growth_bytes = growth;
+    report->tenant_max_bytes = t.budget.max;
+    *oom = true;
+    return absl::ResourceExhaustedError(report->ToString());
   }
 
   // ---- Expandable segments (granules) -------------------------------------
@@ -1469,7 +1755,10 @@ class CachingDeviceAllocator::Impl {
   // Whether [b->address, +bytes) lies on mapped granules.
   bool Backed(const Block* b, std::size_t bytes) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return UnmappedBytes(b->segment, b->address, bytes) == 0;
+    const VmmRange* r = RangeOf(b->segment);
+    const std::size_t lo = (b->address - r->base) / granule_;
+    const std::size_t hi = (b->address + bytes - 1 - r->base) / granule_;
+    return r->AllMapped(lo, hi + 1);
   }
   // The bytes of [address, address + bytes) that lie on mapped granules.
   std::size_t MappedBytes(const Segment* seg, std::uint64_t address,
@@ -1478,15 +1767,16 @@ class CachingDeviceAllocator::Impl {
     const VmmRange* r = RangeOf(seg);
     const std::uint64_t end = address + bytes;
     std::size_t n = 0;
-    for (std::size_t i = (address - r->base) / granule_;
-         i < r->slots.size() && r->base + i * granule_ < end; ++i) {
-      if (r->slots[i].is_null()) continue;
-      const std::uint64_t lo =
-          std::max<std::uint64_t>(address, r->base + i * granule_);
-      const std::uint64_t hi =
-          std::min<std::uint64_t>(end, r->base + (i + 1) * granule_);
-      n += hi - lo;
-    }
+    r->ForEachMapped((address - r->base) / granule_,
+                     (end - r->base + granule_ - 1) / granule_,
+                     [&](std::size_t i, PhysicalMemHandle) {
+                       const std::uint64_t lo = std::max<std::uint64_t>(
+                           address, r->base + i * granule_);
+                       const std::uint64_t hi = std::min<std::uint64_t>(
+                           end, r->base + (i + 1) * granule_);
+                       n += hi - lo;
+                       return true;
+                     });
     return n;
   }
   std::size_t UnmappedBytes(const Segment* seg, std::uint64_t address,
@@ -1495,11 +1785,7 @@ class CachingDeviceAllocator::Impl {
     const VmmRange* r = RangeOf(seg);
     const std::size_t lo = (address - r->base) / granule_;
     const std::size_t hi = (address + bytes - 1 - r->base) / granule_;
-    std::size_t n = 0;
-    for (std::size_t i = lo; i <= hi; ++i) {
-      if (r->slots[i].is_null()) n += granule_;
-    }
-    return n;
+    return (hi + 1 - lo - r->CountMapped(lo, hi + 1)) * granule_;
   }
 
   // The stream's range for a pool, reserved on first use.
@@ -1516,7 +1802,6 @@ class CachingDeviceAllocator::Impl {
     auto r = std::make_unique<VmmRange>();
     r->base = base.address();
     r->size = size;
-    r->slots.resize(size / granule_);
     auto seg = std::make_unique<DeviceSegment>();
     seg->base = r->base;
     seg->size = size;
@@ -1562,7 +1847,7 @@ class CachingDeviceAllocator::Impl {
       granule_cache_.push_back({h, Now()});
       return s;
     }
-    r->slots[i] = h;
+    r->Set(i, h);
     r->mapped += granule_;
     ++granule_maps_;
     StreamState* ss = Owner(seg);
@@ -1581,9 +1866,12 @@ class CachingDeviceAllocator::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     VmmRange* r = RangeOf(seg);
     const DevicePtr at(r->base + i * granule_);
+    if (!r->IsMapped(i)) {
+      return absl::InternalError(absl::StrFormat(
+          "granule %d of range 0x%x is not mapped", i, r->base));
+    }
     CTXPOOL_RETURN_IF_ERROR(driver_.MemUnmap(at, granule_));
-    granule_cache_.push_back({r->slots[i], Now()});
-    r->slots[i] = PhysicalMemHandle();
+    granule_cache_.push_back({r->Take(i), Now()});
     r->mapped -= granule_;
     ++granule_unmaps_;
     StreamState* ss = Owner(seg);
@@ -1603,7 +1891,7 @@ class CachingDeviceAllocator::Impl {
     const std::size_t lo = (address - r->base) / granule_;
     const std::size_t hi = (address + bytes - 1 - r->base) / granule_;
     for (std::size_t i = lo; i <= hi; ++i) {
-      if (r->slots[i].is_null()) CTXPOOL_RETURN_IF_ERROR(MapGranule(seg, i));
+      if (!r->IsMapped(i)) CTXPOOL_RETURN_IF_ERROR(MapGranule(seg, i));
     }
     return absl::OkStatus();
   }
@@ -1622,10 +1910,14 @@ class CachingDeviceAllocator::Impl {
         if (b->state != BlockState::kFree) continue;
         const std::size_t lo = (b->address - r->base + granule_ - 1) / granule_;
         const std::size_t hi = (b->end() - r->base) / granule_;
-        for (std::size_t i = lo; i < hi; ++i) {
+        // Collected first: fn may unmap (erase from the map).
+        absl::InlinedVector<std::size_t, 16> mapped;
+        r->ForEachMapped(lo, hi, [&](std::size_t i, PhysicalMemHandle) {
           const std::uint64_t at = r->base + i * granule_;
-          if (r->slots[i].is_null()) continue;
-          if (at < skip_hi && at + granule_ > skip_lo) continue;
+          if (!(at < skip_hi && at + granule_ > skip_lo)) mapped.push_back(i);
+          return true;
+        });
+        for (std::size_t i : mapped) {
           if (!fn(seg, i)) return;
         }
       }
@@ -1644,6 +1936,7 @@ class CachingDeviceAllocator::Impl {
   // Whether the work queued on `ss` so far is done, without waiting.
   bool StreamIdleNow(StreamState* ss) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (ss->destroyed) return true;
+    if (ss->retired) return RetiredIdle(ss, /*wait=*/false, nullptr);
     absl::StatusOr<EventHandle> e = GetEvent();
     if (!e.ok()) return false;
     absl::Status s = driver_.EventRecord(*e, StreamHandle(ss->stream));
@@ -1701,18 +1994,23 @@ class CachingDeviceAllocator::Impl {
   absl::Status ReleaseGranuleCache(std::size_t keep_bytes, std::size_t* freed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     absl::Status first;
-    while (CacheBytes() > keep_bytes) {
-      // Oldest first: the front has been unused longest.
-      PhysicalMemHandle h = granule_cache_.front().handle;
-      absl::Status s = driver_.MemRelease(h);
+    if (granule_cache_.empty()) return first;  // classic mode: granule_ is 0
+    // Oldest first: the front has been unused longest. The released prefix
+    // is erased once at the end (linear in the granules released).
+    const std::size_t keep = keep_bytes / granule_;
+    std::size_t released = 0;
+    while (granule_cache_.size() - released > keep) {
+      absl::Status s = driver_.MemRelease(granule_cache_[released].handle);
       if (!s.ok()) {
         first.Update(s);
         break;
       }
-      granule_cache_.erase(granule_cache_.begin());
-      ++upstream_frees_;
-      if (freed != nullptr) *freed += granule_;
+      ++released;
     }
+    granule_cache_.erase(granule_cache_.begin(),
+                         granule_cache_.begin() + released);
+    upstream_frees_ += static_cast<std::int64_t>(released);
+    if (freed != nullptr) *freed += released * granule_;
     return first;
   }
 
@@ -1805,11 +2103,9 @@ class CachingDeviceAllocator::Impl {
   }
 
   // The slow path of Allocate in expandable mode. REQUIRES: context set.
-  absl::StatusOr<DevicePtr> AllocateExpandable(StreamState* ss,
-                                               std::size_t rounded,
-                                               std::size_t requested,
-                                               bool small, bool* oom)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  absl::StatusOr<DevicePtr> AllocateExpandable(
+      StreamState* ss, std::size_t rounded, std::size_t requested, bool small,
+      OomReport* report, bool* oom) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     CTXPOOL_ASSIGN_OR_RETURN(Segment * seg, EnsureRange(ss, small));
     Block* b = FindFree(ss, rounded, small);
     if (b == nullptr) {  // the virtual range is full
@@ -1833,7 +2129,7 @@ class CachingDeviceAllocator::Impl {
       }
       need = UnmappedBytes(seg, lo, take);
       if (TenantMapped(ss->tenant) + need > t.budget.max) {
-        return TenantOom(ss, requested, need);
+        return TenantOom(ss, rounded, requested, need, report, oom);
       }
     }
     // Compaction: rather than growing while much of the tenant's mapped
@@ -1917,8 +2213,10 @@ class CachingDeviceAllocator::Impl {
     }
     if (expandable_) {
       absl::StatusOr<DevicePtr> p =
-          AllocateExpandable(ss, rounded, requested, small, oom);
-      if (*oom) FillReport(ss, rounded, requested, report);
+          AllocateExpandable(ss, rounded, requested, small, report, oom);
+      if (*oom && !report->tenant_limit) {
+        FillReport(ss, rounded, requested, report);
+      }
       if (!p.ok() && *oom)
         return absl::ResourceExhaustedError(report->ToString());
       return p;
@@ -1936,23 +2234,27 @@ class CachingDeviceAllocator::Impl {
         return TakeBlock(fit, rounded, requested);
       }
       if (TenantMapped(ss->tenant) + segment_bytes > budget.max) {
-        return TenantOom(ss, requested, segment_bytes);
+        return TenantOom(ss, rounded, requested, segment_bytes, report, oom);
       }
     }
-    if (Segment* seg = FindStealable(ss, rounded, small)) {
-      if (Owner(seg)->tenant == ss->tenant ||
-          TenantMapped(ss->tenant) + seg->size <= budget.max) {
-        CTXPOOL_RETURN_IF_ERROR(MoveSegment(seg, ss));
-        NotePeak(ss->tenant);
-        return TakeBlock(seg->first, rounded, requested);
-      }
+    // Without pressure a stream reuses only its own tenant's cached
+    // segments: another tenant's cache is its own until the device runs out
+    // (cgroup-like: reclaim happens under pressure, never below min).
+    if (Segment* seg =
+            FindStealable(ss, rounded, small,
+                          [&](Segment* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                            return Owner(s)->tenant == ss->tenant;
+                          })) {
+      CTXPOOL_RETURN_IF_ERROR(MoveSegment(seg, ss));
+      return TakeBlock(seg->first, rounded, requested);
     }
     absl::StatusOr<Block*> b = NewSegment(ss, segment_bytes, small);
     if (b.ok()) return TakeBlock(*b, rounded, requested);
     if (!IsOutOfMemory(b.status())) return b.status();
 
-    // Out of memory: give back this stream's cached segments, then wait for
-    // pending frees and give back everyone's, and retry once.
+    // Out of memory: give back this stream's cached segments, wait for
+    // pending frees, take another tenant's fitting free segment (above its
+    // min), else give back everyone's above their min, and retry once.
     ++num_alloc_retries_;
     TrimResult scratch;
     std::size_t busy = 0;
@@ -1961,8 +2263,21 @@ class CachingDeviceAllocator::Impl {
     if (Block* fit = FindFree(ss, rounded, small)) {
       return TakeBlock(fit, rounded, requested);
     }
+    CTXPOOL_ASSIGN_OR_RETURN(Segment * taken,
+                             ReclaimSegment(ss, rounded, small));
+    if (taken != nullptr) {
+      NotePeak(ss->tenant);
+      return TakeBlock(taken->first, rounded, requested);
+    }
+    const std::vector<std::size_t> before = MappedByTenant();
     ReleaseCached(nullptr, 0, &scratch, &busy, /*protect_min=*/true)
         .IgnoreError();
+    const std::vector<std::size_t> after = MappedByTenant();
+    for (std::size_t t = 0; t < before.size(); ++t) {
+      if (t == ss->tenant || after[t] >= before[t]) continue;
+      tenants_[t]->reclaimed_from += before[t] - after[t];
+      tenants_[ss->tenant]->reclaimed_by += before[t] - after[t];
+    }
     b = NewSegment(ss, segment_bytes, small);
     if (b.ok()) return TakeBlock(*b, rounded, requested);
     if (!IsOutOfMemory(b.status())) return b.status();
@@ -1976,19 +2291,35 @@ class CachingDeviceAllocator::Impl {
                   OomReport* report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     report->requested_bytes = requested;
     report->rounded_bytes = rounded;
+    report->tenant = tenants_[ss->tenant]->name;
+    report->tenant_bytes = TenantMapped(ss->tenant);
+    report->tenant_live_bytes = TenantLive(ss->tenant);
     report->stream = StreamHandle(ss->stream);
     report->live_bytes = Current(total_.allocated_bytes);
     report->reserved_bytes = Reserved();
     std::size_t largest = 0;
-    std::size_t free_bytes = 0;
     for (const auto& [stream, state] : streams_) {
+      if (expandable_) {
+        // A free block may lie on unmapped granules (virtual space only):
+        // the largest free block is the longest mapped run inside one.
+        for (Segment* seg : state->range) {
+          if (seg == nullptr) continue;
+          for (const Block* b = seg->first; b != nullptr; b = b->next) {
+            if (b->state == BlockState::kFree) {
+              largest = std::max(largest, LongestMappedRun(seg, b));
+            }
+          }
+        }
+        continue;
+      }
       for (const FreeIndex<Block>& index : state->free) {
         if (const Block* last = index.Last()) {
           largest = std::max(largest, last->size);
         }
       }
     }
-    free_bytes = Reserved() - Current(total_.active_bytes);
+    const std::size_t free_bytes = Reserved() - Current(total_.active_bytes);
+    largest = std::min(largest, free_bytes);
     report->largest_free_bytes = largest;
     report->fragmentation = free_bytes == 0
                                 ? 0.0
@@ -2001,7 +2332,27 @@ class CachingDeviceAllocator::Impl {
     } else {
       report->device_total_bytes = device_total_;
     }
-    report->largest_free_bytes = std::min(largest, free_bytes);
+  }
+
+  // Expandable mode: the longest run of mapped bytes inside block `b`.
+  std::size_t LongestMappedRun(const Segment* seg, const Block* b) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const VmmRange* r = RangeOf(seg);
+    std::size_t best = 0;
+    std::uint64_t run_lo = 0, run_hi = 0;  // current run, clipped to b
+    r->ForEachMapped((b->address - r->base) / granule_,
+                     (b->end() - r->base + granule_ - 1) / granule_,
+                     [&](std::size_t i, PhysicalMemHandle) {
+                       const std::uint64_t lo = std::max<std::uint64_t>(
+                           b->address, r->base + i * granule_);
+                       const std::uint64_t hi = std::min<std::uint64_t>(
+                           b->end(), r->base + (i + 1) * granule_);
+                       if (lo != run_hi) run_lo = lo;  // a gap: a new run
+                       run_hi = hi;
+                       best = std::max<std::size_t>(best, run_hi - run_lo);
+                       return true;
+                     });
+    return best;
   }
 
   Driver& driver_;
@@ -2041,6 +2392,8 @@ class CachingDeviceAllocator::Impl {
   std::int64_t invalid_frees_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t invalid_requests_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t destroyed_streams_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t driver_errors_ ABSL_GUARDED_BY(mu_) = 0;
+  std::size_t leaked_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t granule_maps_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t granule_unmaps_ ABSL_GUARDED_BY(mu_) = 0;
   absl::btree_map<std::uint64_t, std::unique_ptr<VmmRange>> vmm_ranges_
@@ -2121,8 +2474,19 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
     const VmmRange* range = expandable_ ? RangeOf(&seg) : nullptr;
     if (range != nullptr) {  // I9
       std::size_t mapped = 0;
-      for (const PhysicalMemHandle& h : range->slots) {
-        if (!h.is_null()) mapped += granule_;
+      bool bad = false;
+      range->ForEachMapped(0, std::numeric_limits<std::size_t>::max(),
+                           [&](std::size_t i, PhysicalMemHandle h) {
+                             bad = bad || h.is_null() ||
+                                   i >= range->size / granule_;
+                             mapped += granule_;
+                             return true;
+                           });
+      for (const auto& [c, chunk] : range->chunks)
+        bad = bad || chunk->bits == 0;
+      if (bad) {
+        return absl::InternalError(absl::StrFormat(
+            "I9: range 0x%x has a bad granule entry", seg.base));
       }
       if (mapped != range->mapped || range->base != seg.base ||
           range->size != seg.size ||
@@ -2359,6 +2723,10 @@ absl::StatusOr<TenantStats> CachingDeviceAllocator::GetTenantStats(
 TraceRecorder& CachingDeviceAllocator::trace_recorder() {
   return impl_->recorder();
 }
+absl::Status CachingDeviceAllocator::RetireStream(StreamHandle stream) {
+  return impl_->RetireStream(stream);
+}
+
 absl::Status CachingDeviceAllocator::Reset(bool force) {
   return impl_->Reset(force);
 }
@@ -2379,6 +2747,9 @@ absl::Status CachingDeviceAllocator::CheckInvariants() const {
   return impl_->CheckInvariants();
 }
 int CachingDeviceAllocator::device() const { return impl_->device(); }
+std::size_t CachingDeviceAllocator::device_total_bytes() const {
+  return impl_->device_total_bytes();
+}
 Driver& CachingDeviceAllocator::driver() const { return impl_->driver(); }
 const DeviceAllocatorOptions& CachingDeviceAllocator::options() const {
   return impl_->options();

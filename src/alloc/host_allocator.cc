@@ -69,7 +69,9 @@ class CachingHostAllocator::Impl {
     // In a forked child the pinned buffers, events and context belong to the
     // parent's driver state: touch none of it, leak it.
     if (fork_guard_.InForkedChild()) return;
-    Reset(/*force=*/true).IgnoreError();
+    // A buffer the driver refuses to free stays cached after Reset; one more
+    // try, then it is leaked (the driver frees pinned memory at exit).
+    if (!Reset(/*force=*/true).ok()) Reset(/*force=*/true).IgnoreError();
     std::vector<std::uintptr_t> regs;
     {
       absl::MutexLock lock(&mu_);
@@ -132,10 +134,10 @@ class CachingHostAllocator::Impl {
       if (budget_error.ok()) in_flight_bytes_ += size;
     }
     if (!budget_error.ok()) {
-      FreeBlocks(std::move(to_free));
+      FreeBlocks(std::move(to_free)).IgnoreError();
       return budget_error;
     }
-    FreeBlocks(std::move(to_free));
+    FreeBlocks(std::move(to_free)).IgnoreError();
     absl::StatusOr<void*> p = PinNew(size);
     if (!p.ok() && p.status().code() == absl::StatusCode::kResourceExhausted) {
       {
@@ -144,7 +146,7 @@ class CachingHostAllocator::Impl {
         TakeCached(/*keep_bytes=*/0, &to_free);
       }
       if (!to_free.empty()) {
-        FreeBlocks(std::move(to_free));
+        FreeBlocks(std::move(to_free)).IgnoreError();
         p = PinNew(size);
       }
     }
@@ -258,7 +260,7 @@ class CachingHostAllocator::Impl {
       result.busy_bytes = pending_bytes_;
       result.remaining_bytes = pinned_bytes();
     }
-    FreeBlocks(std::move(to_free));
+    CTXPOOL_RETURN_IF_ERROR(FreeBlocks(std::move(to_free)));
     return result;
   }
 
@@ -326,7 +328,7 @@ class CachingHostAllocator::Impl {
         blocks_.emplace(Addr(b->ptr), std::move(b));
       }
     }
-    FreeBlocks(std::move(to_free));
+    first_error.Update(FreeBlocks(std::move(to_free)));
     return first_error;
   }
 
@@ -363,7 +365,7 @@ class CachingHostAllocator::Impl {
         registering_bytes_ += bytes;
       }
     }
-    FreeBlocks(std::move(to_free));
+    FreeBlocks(std::move(to_free)).IgnoreError();
     if (!budget_error.ok()) return budget_error;
     absl::Status s;
     {
@@ -711,18 +713,37 @@ class CachingHostAllocator::Impl {
     return driver_.MemHostAlloc(size, options_.host_alloc_flags);
   }
 
-  void FreeBlocks(std::vector<std::unique_ptr<HostBlock>> blocks)
+  // Returns `blocks` to the driver. A block the driver refuses to free goes
+  // back to the cache (the next Trim or Reset retries it), so no pinned byte
+  // ever leaves the books; the first such error is returned.
+  absl::Status FreeBlocks(std::vector<std::unique_ptr<HostBlock>> blocks)
       ABSL_LOCKS_EXCLUDED(mu_) {
-    if (blocks.empty()) return;
+    if (blocks.empty()) return absl::OkStatus();
     std::int64_t freed = 0;
+    absl::Status first_error;
+    std::vector<std::unique_ptr<HostBlock>> kept;
     {
       ScopedContext guard(driver_, ctx_);
       for (auto& b : blocks) {
-        if (driver_.MemFreeHost(b->ptr).ok()) ++freed;
+        absl::Status s = guard.status();
+        if (s.ok()) s = driver_.MemFreeHost(b->ptr);
+        if (s.ok()) {
+          ++freed;
+        } else {
+          first_error.Update(s);
+          kept.push_back(std::move(b));
+        }
       }
     }
     absl::MutexLock lock(&mu_);
     upstream_frees_ += freed;
+    for (auto& b : kept) {
+      HostBlock* raw = b.get();
+      ranges_.emplace(Addr(raw->ptr), raw->size);
+      blocks_.emplace(Addr(raw->ptr), std::move(b));
+      PushFree(raw);
+    }
+    return first_error;
   }
 
   Driver& driver_;

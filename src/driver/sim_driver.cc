@@ -841,6 +841,11 @@ absl::StatusOr<std::unique_ptr<SimDriver>> SimDriver::CreateFromSpec(
   if (preset.ok()) {
     device = *preset;
   } else if (std::optional<std::size_t> capacity = ParseCapacity(rest)) {
+    if (*capacity > kSimMaxCapacityBytes) {
+      return bad(absl::StrCat("'", rest,
+                              "' is more than the largest simulated device (",
+                              kSimMaxCapacityBytes >> 40, " TiB)"));
+    }
     if (*capacity < 2 * device.context_overhead_bytes) {
       device.context_overhead_bytes = *capacity / 8;
     }
@@ -1056,6 +1061,13 @@ std::size_t SimDriver::used_bytes(int device) const {
   if (device < 0 || device >= static_cast<int>(state_->devices.size()))
     return 0;
   return state_->devices[device].used;
+}
+
+std::size_t SimDriver::host_bytes() const {
+  absl::MutexLock lock(&state_->mu);
+  std::size_t n = 0;
+  for (const auto& [address, range] : state_->host_ranges) n += range.bytes;
+  return n;
 }
 
 std::size_t SimDriver::peak_used_bytes(int device) const {

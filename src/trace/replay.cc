@@ -36,6 +36,12 @@ absl::StatusOr<SimDeviceSpec> SpecFor(const ReplayConfig& config) {
   if (!config.device.empty()) {
     CTXPOOL_ASSIGN_OR_RETURN(spec, SimDevicePreset(config.device));
   }
+  if (config.capacity_bytes > kSimMaxCapacityBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "capacity ", FormatBytes(config.capacity_bytes),
+        " is more than the largest simulated device (",
+        FormatBytes(kSimMaxCapacityBytes), ")"));
+  }
   if (config.capacity_bytes != 0) {
     spec.capacity_bytes = config.capacity_bytes;
     if (config.device.empty()) {

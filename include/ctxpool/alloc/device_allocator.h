@@ -161,11 +161,22 @@ struct OomReport {
   double fragmentation = 0.0;         // 1 − largest_free / total_free
   std::size_t device_free_bytes = 0;  // cuMemGetInfo
   std::size_t device_total_bytes = 0;
+  // The stream's tenant ("default" when unbound) and what it holds.
+  std::string tenant;
+  std::size_t tenant_bytes = 0;  // reserved (classic) / mapped (expandable)
+  std::size_t tenant_live_bytes = 0;
+  // True when the tenant's max refused the growth (the device may have had
+  // room); then growth_bytes is the physical memory the request needed.
+  bool tenant_limit = false;
+  std::size_t growth_bytes = 0;
+  std::size_t tenant_max_bytes = 0;
   std::string ToString() const;
 };
 
-// Called once per failed allocation after the allocator's own retry. Return
-// true to have the allocator retry one more time (after the callback freed
+// Called once per failed allocation after the allocator's own retry, for the
+// device running out and for a tenant's max alike (report.tenant_limit tells
+// which), as PyTorch calls its OOM observers for every OOM. Return true to
+// have the allocator retry one more time (after the callback freed
 // something), false to fail. Called without the allocator's lock held: it may
 // call Deallocate and Trim.
 using OomCallback = std::function<bool(const OomReport&)>;
@@ -244,6 +255,15 @@ struct DeviceAllocatorStats {
   // Streams found destroyed while the allocator still cached their memory;
   // their work was waited for (a context synchronise) before reuse.
   std::int64_t destroyed_streams = 0;
+  // Driver calls that failed on paths that cannot return the error to a
+  // caller (an event query while polling pending frees, a free while
+  // trimming): the allocator kept its state and will ask again.
+  std::int64_t driver_errors = 0;
+  // Device memory the allocator stopped tracking because the driver refused
+  // to free it (a forced Reset or the destructor under a persistent
+  // cuMemFree / cuMemUnmap / cuMemRelease fault). Never silent: see the
+  // failure model in docs/architecture.md.
+  std::size_t leaked_bytes = 0;
   // Expandable mode: granules mapped and unmapped (cuMemMap / cuMemUnmap),
   // and the bytes of unmapped granules kept in the per-device cache.
   std::int64_t granule_maps = 0;
@@ -365,6 +385,18 @@ class CachingDeviceAllocator {
   // holds). INVALID_ARGUMENT for a stream that is not bound. Thread-safe; no
   // driver call, no stream-order effect.
   absl::Status UnbindStream(StreamHandle stream);
+  // Call before destroying `stream` (cuStreamDestroy) while the allocator may
+  // still hold memory for it. Records one event on it now, while the handle
+  // is valid; from then on the allocator never passes the handle to the
+  // driver (a real driver recycles stream handles, so a dead one may name
+  // another stream): other streams reuse its memory after that event
+  // (cuStreamWaitEvent, no host synchronise), Trim and Reset wait for that
+  // event. Blocks still live on it may be freed later as usual. If the
+  // handle comes back (a new stream with the same handle), its first
+  // Allocate waits for the event once. OK (nothing recorded) for a stream
+  // the allocator never saw or already retired.
+  // REQUIRES: no work is enqueued on `stream` after this call.
+  absl::Status RetireStream(StreamHandle stream);
   // Forgets `tenant`: its name may be registered again and its id may be
   // returned by a later RegisterTenant (so a stale id must not be used).
   // INVALID_ARGUMENT for the default or an unknown tenant;
@@ -408,6 +440,8 @@ class CachingDeviceAllocator {
   int device() const;
   Driver& driver() const;
   const DeviceAllocatorOptions& options() const;
+  // The device's total memory: Allocate refuses anything larger.
+  std::size_t device_total_bytes() const;
 
  private:
   class Impl;

@@ -100,6 +100,12 @@ inline constexpr std::size_t kKiB = std::size_t{1} << 10;
 inline constexpr std::size_t kMiB = std::size_t{1} << 20;
 inline constexpr std::size_t kGiB = std::size_t{1} << 30;
 
+// The largest capacity a simulated device may have: 16 TiB, about a hundred
+// times the largest GPU made. Specs and replays above it are refused (a
+// typo such as 4096TiB would otherwise reserve virtual ranges no device
+// has).
+inline constexpr std::size_t kSimMaxCapacityBytes = std::size_t{16} << 40;
+
 // One simulated device.
 struct SimDeviceSpec {
   std::string name = "ctxpool simulated GPU";
@@ -259,6 +265,9 @@ class SimDriver final : public Driver {
   // Physical device memory in use: cuMemAlloc + cuMemCreate + contexts.
   std::size_t used_bytes(int device) const;
   std::size_t peak_used_bytes(int device) const;
+  // Pinned host memory now live: cuMemHostAlloc'd plus cuMemHostRegister'ed
+  // bytes not yet freed or unregistered.
+  std::size_t host_bytes() const;
   // Live primary-context references on `device` (retains − releases), and
   // the number of contexts (primary or not) created so far on it.
   int primary_ctx_refcount(int device) const;
