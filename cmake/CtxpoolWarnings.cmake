@@ -30,6 +30,15 @@ if(CTXPOOL_SANITIZE)
   add_link_options(-fsanitize=${CTXPOOL_SANITIZE})
 endif()
 
+# CTXPOOL_FUZZ=ON: coverage for libFuzzer in everything built (the fuzz
+# targets themselves link -fsanitize=fuzzer, see fuzz/CMakeLists.txt).
+if(CTXPOOL_FUZZ)
+  if(NOT CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+    message(FATAL_ERROR "CTXPOOL_FUZZ=ON needs clang (libFuzzer)")
+  endif()
+  add_compile_options(-fsanitize=fuzzer-no-link)
+endif()
+
 option(CTXPOOL_TSAN_ANNOTATE_ABSL
   "With CTXPOOL_SANITIZE=thread, annotate an uninstrumented Abseil's Mutex"
   ON)
