@@ -69,6 +69,15 @@ class Subject {
   virtual void Destroy() = 0;
 
  protected:
+  // Two streams on the device's primary context, which the allocator
+  // created first holds (this reference is released again).
+  void CreateStreams() {
+    ContextHandle ctx = *sim_->PrimaryCtxRetain(0);
+    sim_->CtxSetCurrent(ctx).IgnoreError();
+    s1_ = *sim_->StreamCreate(kStreamNonBlocking, 0);
+    s2_ = *sim_->StreamCreate(kStreamNonBlocking, 0);
+    sim_->PrimaryCtxRelease(0).IgnoreError();
+  }
   // A step that keeps `p` live when Allocate succeeded (and touches it on
   // `s`, as a kernel would), and one that frees it if it is live.
   template <typename Alloc>
@@ -119,11 +128,7 @@ class DeviceSubject : public Subject {
     DeviceAllocatorOptions o;
     o.backing = backing;
     alloc_ = *CachingDeviceAllocator::Create(*sim_, 0, o);
-    ContextHandle ctx = *sim_->PrimaryCtxRetain(0);
-    sim_->CtxSetCurrent(ctx).IgnoreError();
-    s1_ = *sim_->StreamCreate(kStreamNonBlocking, 0);
-    s2_ = *sim_->StreamCreate(kStreamNonBlocking, 0);
-    sim_->PrimaryCtxRelease(0).IgnoreError();  // the allocator holds one
+    CreateStreams();
     auto alloc = [this](std::size_t n, StreamHandle s) {
       return alloc_->Allocate(n, s);
     };
@@ -161,11 +166,7 @@ class HostSubject : public Subject {
  public:
   HostSubject() : Subject(64 * kMiB), registered_(256 * kKiB) {
     alloc_ = *CachingHostAllocator::Create(*sim_, {});
-    ContextHandle ctx = *sim_->PrimaryCtxRetain(0);
-    sim_->CtxSetCurrent(ctx).IgnoreError();
-    s1_ = *sim_->StreamCreate(kStreamNonBlocking, 0);
-    s2_ = *sim_->StreamCreate(kStreamNonBlocking, 0);
-    sim_->PrimaryCtxRelease(0).IgnoreError();
+    CreateStreams();
     auto alloc = [this](std::size_t n, StreamHandle s) {
       return alloc_->Allocate(n, s);
     };
@@ -238,11 +239,7 @@ class SlabSubject : public Subject {
   SlabSubject() : Subject(64 * kMiB) {
     device_ = *CachingDeviceAllocator::Create(*sim_, 0, {});
     slab_ = *SlabAllocator::Create(*device_, {});
-    ContextHandle ctx = *sim_->PrimaryCtxRetain(0);
-    sim_->CtxSetCurrent(ctx).IgnoreError();
-    s1_ = *sim_->StreamCreate(kStreamNonBlocking, 0);
-    s2_ = *sim_->StreamCreate(kStreamNonBlocking, 0);
-    sim_->PrimaryCtxRelease(0).IgnoreError();
+    CreateStreams();
     auto alloc = [this](std::size_t n, StreamHandle s) {
       return slab_->Allocate(n, s);
     };
