@@ -45,8 +45,8 @@ bool Sanitized() { return std::getenv("CTXPOOL_SANITIZER") != nullptr; }
 // its capacity in both pools; the host memory that costs must follow the few
 // granules mapped, not the 16 M granules of virtual space per range.
 TEST_F(ExpandableScaleTest, HostMemoryFollowsMappedBytesNotCapacity) {
+  Init(kSimMaxCapacityBytes);  // first: TearDown checks the device
   if (Sanitized()) GTEST_SKIP() << "mallinfo2 is meaningless under sanitizers";
-  Init(kSimMaxCapacityBytes);
   std::vector<StreamHandle> streams;
   for (int i = 0; i < 8; ++i) {
     streams.push_back(*sim_->StreamCreate(kStreamNonBlocking, 0));
