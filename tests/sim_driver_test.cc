@@ -562,8 +562,11 @@ TEST(SimDriverSpec, ParsesPresetsAndCapacities) {
   d = SimDriver::CreateFromSpec("sim:4x512MiB");
   ASSERT_TRUE(d.ok());
   EXPECT_EQ(*(*d)->DeviceCount(), 4);
-  for (const char* bad : {"", "cuda", "sim:", "sim:nonsense", "sim:0xa10-24gb",
-                          "sim:24XB", "sim:-1GiB", "simh100-80gb"}) {
+  for (const char* bad :
+       {"", "cuda", "sim:", "sim:nonsense", "sim:0xa10-24gb", "sim:24XB",
+        "sim:-1GiB", "simh100-80gb",
+        // more than size_t holds, or than any device has
+        "sim:844373354775820mb", "sim:999999999999999tib", "sim:17TiB"}) {
     EXPECT_EQ(SimDriver::CreateFromSpec(bad).status().code(),
               absl::StatusCode::kInvalidArgument)
         << bad;

@@ -132,7 +132,11 @@ std::optional<std::size_t> ParseCapacity(absl::string_view text) {
         value > 1e15) {
       return std::nullopt;
     }
-    return static_cast<std::size_t>(value * unit.scale);
+    // The product may exceed size_t (844373354775820mb); such a capacity is
+    // refused, not converted (undefined behaviour).
+    const double bytes = value * unit.scale;
+    if (!(bytes < 18446744073709551616.0)) return std::nullopt;
+    return static_cast<std::size_t>(bytes);
   }
   return std::nullopt;
 }
