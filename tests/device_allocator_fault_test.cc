@@ -212,6 +212,39 @@ TEST_P(DeviceAllocatorFaultTest, RetiredHandleInUseAgainWaitsOnce) {
   EXPECT_EQ(sim_->call_count(SimCall::kStreamWaitEvent), waits + 1);
 }
 
+// A stream the allocator saw only through RecordStream is retired too: the
+// block's free later records nothing on the dead handle.
+TEST_P(DeviceAllocatorFaultTest, RetireCoversAStreamSeenOnlyByRecordStream) {
+  Init(1 * kGiB);
+  const DevicePtr p = Alloc(1000, a1_);
+  ASSERT_TRUE(alloc_->RecordStream(p, a2_).ok());
+  ASSERT_TRUE(alloc_->RetireStream(a2_).ok());
+  ASSERT_TRUE(sim_->StreamDestroy(a2_).ok());
+  Free(p);
+  EXPECT_EQ(sim_->misuse_count(), 0u)
+      << (sim_->misuse_count() != 0 ? sim_->misuse_log().back() : "");
+}
+
+// Expandable: a granule whose access failed and whose rollback unmap failed
+// once is unmapped on the retry, so its address is never mapped twice.
+TEST_P(DeviceAllocatorFaultTest, FailedSetAccessRollsTheMapBack) {
+  Init(1 * kGiB);
+  sim_->InjectFault(SimCall::kMemSetAccess, 1, cu::kErrorUnknown);
+  sim_->InjectFault(SimCall::kMemUnmap, 1, cu::kErrorUnknown);
+  const std::size_t small = 1000;
+  absl::StatusOr<DevicePtr> failed = alloc_->Allocate(small, a1_);
+  if (expandable()) EXPECT_FALSE(failed.ok());
+  if (failed.ok()) Free(*failed);
+  sim_->InjectFault(SimCall::kMemSetAccess, 0, 0);
+  sim_->InjectFault(SimCall::kMemUnmap, 0, 0);
+  const DevicePtr q = Alloc(small, a1_);
+  const DevicePtr r = Alloc(3 * kMiB, a1_);
+  EXPECT_EQ(sim_->misuse_count(), 0u)
+      << (sim_->misuse_count() != 0 ? sim_->misuse_log().back() : "");
+  Free(q);
+  Free(r);
+}
+
 // Decided: on_oom is called for a tenant's max as for the device (PyTorch
 // calls its OOM observers for every OOM); the report says which, and a
 // callback that frees the tenant's memory gets the retry.

@@ -995,7 +995,21 @@ class CachingDeviceAllocator::Impl {
         fork_guard_.Check("CachingDeviceAllocator::RetireStream"));
     core_internal::SpinLockHolder lock(&mu_);
     auto it = streams_.find(stream.value());
-    if (it == streams_.end()) return absl::OkStatus();
+    if (it == streams_.end()) {
+      // Known only through RecordStream (a live block's uses): it must be
+      // retired too, or that block's free would record on the dead handle.
+      bool used = false;
+      for (const auto& [address, b] : live_) {
+        for (std::uint64_t u : b->stream_uses)
+          used = used || u == stream.value();
+        if (used) break;
+      }
+      if (!used) return absl::OkStatus();
+      it = streams_
+               .emplace(stream.value(),
+                        std::make_unique<StreamState>(stream.value()))
+               .first;
+    }
     StreamState* ss = it->second.get();
     if (ss->retired || ss->destroyed) return absl::OkStatus();
     ScopedContext ctx(driver_, ctx_);
@@ -1840,13 +1854,33 @@ class CachingDeviceAllocator::Impl {
     absl::Status s = driver_.MemMap(at, granule_, 0, h);
     if (s.ok()) {
       s = driver_.MemSetAccess(at, granule_, device_);
-      if (!s.ok()) driver_.MemUnmap(at, granule_).IgnoreError();
+      if (!s.ok()) {
+        // Roll the map back (one retry). A granule that can neither get
+        // its access nor be unmapped stays mapped on the books, so that its
+        // address is never mapped twice; the error goes to the caller.
+        ++driver_errors_;
+        if (!driver_.MemUnmap(at, granule_).ok() &&
+            !driver_.MemUnmap(at, granule_).ok()) {
+          ++driver_errors_;
+          if (driver_.MemSetAccess(at, granule_, device_).ok()) s = {};
+          NoteMapped(seg, i, h);
+          return s;
+        }
+      }
     }
     if (!s.ok()) {
       // Keep the granule (new or cached) for the next growth.
       granule_cache_.push_back({h, Now()});
       return s;
     }
+    NoteMapped(seg, i, h);
+    return absl::OkStatus();
+  }
+
+  // Books granule `i` of `seg` as mapped to `h`.
+  void NoteMapped(Segment* seg, std::size_t i, PhysicalMemHandle h)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    VmmRange* r = RangeOf(seg);
     r->Set(i, h);
     r->mapped += granule_;
     ++granule_maps_;
@@ -1854,10 +1888,9 @@ class CachingDeviceAllocator::Impl {
     Bump(ss, &PoolStats::reserved_bytes, seg->small,
          static_cast<std::int64_t>(granule_));
     if (recorder_.enabled()) {
-      recorder_.Record(TraceOp::kSegmentMap, at.address(), granule_, ss->stream,
-                       ss->tenant);
+      recorder_.Record(TraceOp::kSegmentMap, r->base + i * granule_, granule_,
+                       ss->stream, ss->tenant);
     }
-    return absl::OkStatus();
   }
 
   // Unmaps granule `i` of `seg` into the cache. REQUIRES: no queued work
