@@ -33,6 +33,10 @@ class DeviceAllocatorFaultTest : public test::TenantAllocatorTest {
     ASSERT_TRUE(sim_->StreamWaitEvent(to, *e).ok());
     ASSERT_TRUE(sim_->EventDestroy(*e).ok());
   }
+  // The call that gives a cached segment's memory back in this backing.
+  SimCall FreeCall() const {
+    return expandable() ? SimCall::kMemUnmap : SimCall::kMemFree;
+  }
 };
 
 // A block freed while another (held) stream still uses it must not be handed
@@ -86,8 +90,7 @@ TEST_P(DeviceAllocatorFaultTest, PersistentEventQueryErrorLeaksNothing) {
 TEST_P(DeviceAllocatorFaultTest, ResetKeepsSegmentWhoseFreeFailed) {
   Init(1 * kGiB);
   Free(Alloc(64 * kMiB, a1_));
-  const SimCall free_call =
-      expandable() ? SimCall::kMemUnmap : SimCall::kMemFree;
+  const SimCall free_call = FreeCall();
   sim_->InjectFault(free_call, 1, cu::kErrorLaunchFailed);
   EXPECT_FALSE(alloc_->Reset(false).ok());
   ASSERT_TRUE(alloc_->CheckInvariants().ok());
@@ -101,8 +104,7 @@ TEST_P(DeviceAllocatorFaultTest, ResetKeepsSegmentWhoseFreeFailed) {
 TEST_P(DeviceAllocatorFaultTest, ForcedResetCountsWhatItCouldNotFree) {
   Init(1 * kGiB);
   Free(Alloc(64 * kMiB, a1_));
-  const SimCall free_call =
-      expandable() ? SimCall::kMemUnmap : SimCall::kMemFree;
+  const SimCall free_call = FreeCall();
   sim_->InjectFault(free_call, 1000, cu::kErrorLaunchFailed);
   EXPECT_FALSE(alloc_->Reset(true).ok());
   EXPECT_EQ(alloc_->Stats().total.reserved_bytes[0].current, 0);
