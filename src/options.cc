@@ -51,6 +51,12 @@ constexpr std::array<OptionSpec, kOptionCount> kOptions = {{
      OptionKind::kBytes, "0",
      "Free blocks larger than this are never split (PyTorch's "
      "max_split_size_mb). 0: no limit."},
+    {OptionId::kMemoryLimit, "memory_limit", "CTXPOOL_MEMORY_LIMIT",
+     OptionKind::kBytes, "0",
+     "Device memory each device allocator may hold (like PyTorch's "
+     "set_per_process_memory_fraction): growth beyond it first reclaims "
+     "cached memory, then fails with RESOURCE_EXHAUSTED. 0: the device's "
+     "capacity."},
     {OptionId::kStreamPoolReserve, "stream_pool_reserve",
      "CTXPOOL_STREAM_POOL_RESERVE", OptionKind::kInt, "0",
      "Streams of each priority a device context creates up front; more are "

@@ -176,6 +176,9 @@ TraceEvent TrimEvent() { return {.op = TraceOp::kTrim}; }
 TEST(Replay, MeasuresReservedMinusLiveAtTrimPoints) {
   // Stream 1 keeps 3 MiB live: in expandable mode the granules under it (the
   // second one half used) stay mapped, the freed 5 MiB is unmapped by Trim.
+  // The live block holds its two granules whole: the large pool leaves no
+  // remnant of 1 MiB or less (as classic mode does), so the allocator counts
+  // all 4 MiB as allocated and nothing else stays reserved.
   Trace t;
   t.Append(Alloc(1, 3 << 20, 1));
   t.Append(Alloc(2, 5 << 20, 1));
@@ -189,11 +192,12 @@ TEST(Replay, MeasuresReservedMinusLiveAtTrimPoints) {
   EXPECT_EQ(r->trims, 1u);
   ASSERT_TRUE(r->worst_trim_point.has_value());
   EXPECT_EQ(*r->worst_trim_point, 3u);
-  EXPECT_EQ(r->max_trim_residual_bytes, 1u << 20);
-  EXPECT_DOUBLE_EQ(r->max_trim_residual_granules_per_stream, 0.5);
+  EXPECT_EQ(r->end_reserved_bytes, 4u << 20);
+  EXPECT_EQ(r->max_trim_residual_bytes, 0u);
+  EXPECT_DOUBLE_EQ(r->max_trim_residual_granules_per_stream, 0.0);
   EXPECT_THAT(ReplayResultToText(*r), HasSubstr("trim points:      1;"));
   EXPECT_THAT(ReplayResultToJson(*r),
-              HasSubstr("\"max_trim_residual_bytes\": 1048576"));
+              HasSubstr("\"max_trim_residual_bytes\": 0,"));
 
   // Without replay_trims the kTrim event is skipped and nothing is measured.
   c.replay_trims = false;
@@ -283,7 +287,77 @@ TEST(ParseAllocatorConfig, SetsKnownKeysAndRejectsOthers) {
   EXPECT_THAT(ParseAllocatorConfig("max_split_size=lots", &o).message(),
               HasSubstr("bad size 'lots'"));
   EXPECT_THAT(ParseAllocatorConfig("backing=magic", &o).message(),
-              HasSubstr("classic or expandable"));
+              HasSubstr("classic, expandable or auto"));
+  ASSERT_TRUE(ParseAllocatorConfig("backing=auto,memory_limit=1GiB", &o).ok());
+  EXPECT_EQ(o.backing, BackingMode::kAuto);
+  EXPECT_EQ(o.memory_limit_bytes, 1u << 30);
+}
+
+// driver_calls counts every SimDriver call the allocator made, by kind,
+// and their sum and simulated time agree with the driver's own counters.
+TEST(Replay, CountsEveryDriverCallByKind) {
+  absl::StatusOr<Trace> t = GenerateWorkload("mixed:ops=4000");
+  ASSERT_TRUE(t.ok()) << t.status();
+  for (BackingMode mode : {BackingMode::kClassic, BackingMode::kExpandable}) {
+    ReplayConfig c;
+    c.allocator.backing = mode;
+    absl::StatusOr<ReplayResult> r = Replay(*t, c);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->backing,
+              mode == BackingMode::kClassic ? "classic" : "expandable");
+    std::uint64_t sum = 0;
+    for (const auto& [name, n] : r->driver_calls) {
+      EXPECT_GT(n, 0u) << name;
+      sum += n;
+    }
+    EXPECT_EQ(sum, r->driver_calls_total);
+    ASSERT_FALSE(r->driver_calls.empty());
+    auto count = [&](absl::string_view name) -> std::uint64_t {
+      for (const auto& [k, n] : r->driver_calls) {
+        if (k == name) return n;
+      }
+      return 0;
+    };
+    if (mode == BackingMode::kClassic) {
+      EXPECT_EQ(count("cuMemAlloc"), r->upstream_allocations);
+      EXPECT_EQ(count("cuMemMap"), 0u);
+    } else {
+      EXPECT_EQ(count("cuMemCreate"), r->upstream_allocations);
+      EXPECT_GE(count("cuMemMap"), count("cuMemCreate"));
+    }
+    // The driver time excludes the context's start-up (100 ms simulated).
+    EXPECT_GT(r->simulated_driver_ns, 0);
+    EXPECT_LT(r->simulated_driver_ns, r->simulated_time_ns);
+    ASSERT_EQ(r->passes.size(), 1u);
+    EXPECT_EQ(r->passes[0].driver_calls_total, r->driver_calls_total);
+    EXPECT_EQ(r->passes[0].ops, r->ops);
+    const std::string json = ReplayResultToJson(*r);
+    EXPECT_THAT(json, HasSubstr(absl::StrCat("\"driver_calls_total\": ",
+                                             r->driver_calls_total)));
+    EXPECT_THAT(json, HasSubstr("\"driver_calls\": {\"c"));
+    EXPECT_THAT(ReplayResultToText(*r), HasSubstr("driver calls:"));
+  }
+}
+
+// A second pass over the same allocator is warm: the expandable backing
+// maps nothing new and unmaps nothing (no pressure on 80 GiB).
+TEST(Replay, SecondPassIsWarm) {
+  absl::StatusOr<Trace> t = GenerateWorkload("llm-serving:requests=32");
+  ASSERT_TRUE(t.ok()) << t.status();
+  ReplayConfig c;
+  c.allocator.backing = BackingMode::kExpandable;
+  c.passes = 2;
+  absl::StatusOr<ReplayResult> r = Replay(*t, c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->passes.size(), 2u);
+  EXPECT_GT(r->passes[0].driver_calls_total, 0u);
+  EXPECT_LE(r->passes[1].driver_calls_total * 1000, r->passes[1].ops)
+      << ReplayResultToText(*r);
+  for (const auto& [name, n] : r->driver_calls) {
+    EXPECT_NE(name, "cuMemUnmap") << n;
+  }
+  EXPECT_EQ(r->passes[0].ops + r->passes[1].ops, r->ops);
+  EXPECT_THAT(ReplayResultToText(*r), HasSubstr("pass 2"));
 }
 
 TEST(LatencyStats, NearestRankPercentiles) {

@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -43,8 +44,9 @@ void PrintReplayUsage(std::FILE* out) {
       "[--config K=V,...]\n"
       "                      [--find-min-capacity] [--stop-at-oom] "
       "[--no-cost-model] [--trims]\n"
-      "                      [--unknown-free error|synthesize|ignore] "
-      "[--gpu] [--json] [--samples] [--progress]\n\n"
+      "                      [--passes N] "
+      "[--unknown-free error|synthesize|ignore]\n"
+      "                      [--gpu] [--json] [--samples] [--progress]\n\n"
       "Replays TRACE on a fresh caching allocator over a simulated device.\n\n"
       "  TRACE              a trace file (ctxpool CSV, RMM log CSV, or "
       "ctxpool-trace JSON)\n"
@@ -53,14 +55,21 @@ void PrintReplayUsage(std::FILE* out) {
       "  --device PRESET    simulated device preset: %s\n"
       "  --capacity SIZE    simulated device capacity, e.g. 24GiB (overrides "
       "the preset's)\n"
-      "  --config K=V,...   allocator options: backing=classic|expandable, "
-      "max_split_size=64MiB,\n"
+      "  --config K=V,...   allocator options: "
+      "backing=auto|classic|expandable (default\n"
+      "                     auto, as DeviceContext: expandable where the "
+      "device has VMM),\n"
+      "                     memory_limit=SIZE, max_split_size=64MiB,\n"
       "                     round_bytes, small_size_limit, "
       "small_segment_bytes, large_segment_bytes,\n"
       "                     large_round_bytes\n"
       "  --find-min-capacity  bisect (2 MiB steps) the smallest device on "
       "which the trace has no OOM\n"
       "  --stop-at-oom      stop at the first failed allocation\n"
+      "  --passes N         replay the trace N times on the same allocator "
+      "(what the trace\n"
+      "                     leaves live is freed between passes); driver "
+      "calls per pass\n"
       "  --no-cost-model    simulated driver calls cost nothing (no simulated "
       "latency)\n"
       "  --trims            call Trim(0) at the trace's trim events and report "
@@ -102,6 +111,7 @@ int ParseArgs(int argc, char** argv, Args* a) {
     }
     return argv[++i];
   };
+  a->config.allocator.backing = BackingMode::kAuto;
   for (int i = 1; i < argc; ++i) {
     const absl::string_view arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -155,6 +165,18 @@ int ParseArgs(int argc, char** argv, Args* a) {
       a->find_min = true;
     } else if (arg == "--stop-at-oom") {
       a->config.stop_at_first_oom = true;
+    } else if (arg == "--passes") {
+      const char* v = need_value(i, "--passes");
+      if (v == nullptr) return 2;
+      int n = 0;
+      if (!absl::SimpleAtoi(v, &n) || n < 1 || n > 1000) {
+        std::fprintf(stderr,
+                     "ctxpool replay: --passes needs a number in [1, 1000], "
+                     "not '%s'\n",
+                     v);
+        return 2;
+      }
+      a->config.passes = n;
     } else if (arg == "--no-cost-model") {
       a->config.cost_model = false;
     } else if (arg == "--trims") {

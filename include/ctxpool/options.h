@@ -46,6 +46,7 @@ enum class OptionId : int {
   kSessionHighBytes,   // CTXPOOL_SESSION_HIGH_BYTES
   kSessionMaxBytes,    // CTXPOOL_SESSION_MAX_BYTES
   kMaxSplitBytes,      // CTXPOOL_MAX_SPLIT_BYTES
+  kMemoryLimit,        // CTXPOOL_MEMORY_LIMIT
   kStreamPoolReserve,  // CTXPOOL_STREAM_POOL_RESERVE
   kVerbose,            // CTXPOOL_VERBOSE
   kCount,              // not an option

@@ -4,7 +4,8 @@
 //
 //   segments_     every Segment, by base address (owns them).
 //   streams_      one StreamState per stream seen: its free index per pool
-//                 (small, large) keyed by (size, address), and its stats.
+//                 (small, large) keyed by (size, address), and its stats;
+//                 expandable mode adds an index of unmapped free blocks.
 //   whole_free_   per pool, the wholly free segments of all streams, by
 //                 (size, base): for cross-stream reuse and for Trim.
 //   live_         allocated block by address (the pointer -> block lookup).
@@ -35,9 +36,13 @@
 //   Expandable mode (one segment per (stream, pool) over a virtual range):
 //   I7 is replaced by
 //   I9  a segment's reserved bytes == its mapped granules × granule, and
-//       every allocated or pending block lies on mapped granules;
+//       every block but the unmapped ones lies on mapped granules;
 //   I10 no expandable segment is in whole_free_, and inactive_split counts
-//       nothing (the unmapped tail is not cached memory).
+//       nothing (the unmapped tail is not cached memory);
+//   I11 an unmapped block is free, granule aligned, has no mapped granule,
+//       and sits in its stream's `unmapped` index (the mapped free blocks in
+//       `free`); I1's coalescing is per kind: a mapped and an unmapped free
+//       block may be neighbours.
 //
 // Hot path: Allocate looks up the stream's free index (one LowerBound), and
 // TakeBlock unlinks the block (and links a split remainder), inserts into
@@ -100,6 +105,10 @@ struct StreamState {
   explicit StreamState(std::uint64_t s) : stream(s) {}
   std::uint64_t stream;
   FreeIndex<Block> free[2];  // [0] small pool, [1] large pool
+  // Expandable mode: `free` holds only free blocks on mapped granules (the
+  // hot path takes them as they are); the free blocks over unmapped
+  // granules of the stream's ranges sit here, by (size, address).
+  FreeIndex<Block> unmapped[2];
   PoolStats stats;
   // Found destroyed (CUDA_ERROR_INVALID_HANDLE) and its work waited for:
   // nothing can be enqueued on it any more, so its memory is idle.
@@ -460,11 +469,11 @@ class CachingDeviceAllocator::Impl {
       StreamHandle stream, std::size_t rounded, std::size_t bytes, bool small,
       OomReport* report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     StreamState* ss = GetStream(stream.value());
-    if (Block* b = FindFree(ss, rounded, small)) {  // the cached hot path
-      if (!expandable_ || Backed(b, TakeSize(b, rounded, small))) {
-        ++cache_hits_;
-        return Traced(TakeBlock(b, rounded, bytes), bytes, ss);
-      }
+    // The cached hot path. In expandable mode the index holds only blocks
+    // on mapped granules, so a fit is served as it is: no driver call.
+    if (Block* b = FindFree(ss, rounded, small)) {
+      ++cache_hits_;
+      return Traced(TakeBlock(b, rounded, bytes), bytes, ss);
     }
     bool oom = false;
     absl::StatusOr<DevicePtr> p =
@@ -1035,6 +1044,10 @@ class CachingDeviceAllocator::Impl {
   void Index(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Segment* seg = b->segment;
     StreamState* ss = Owner(seg);
+    if (ABSL_PREDICT_FALSE(b->unmapped)) {
+      ss->unmapped[PoolIndex(seg->small)].Insert(b, b->size, b->address);
+      return;
+    }
     ss->free[PoolIndex(seg->small)].Insert(b, b->size, b->address);
     if (expandable_) return;  // I10
     if (b->is_split()) {
@@ -1050,6 +1063,10 @@ class CachingDeviceAllocator::Impl {
   void Unindex(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Segment* seg = b->segment;
     StreamState* ss = Owner(seg);
+    if (ABSL_PREDICT_FALSE(b->unmapped)) {
+      ss->unmapped[PoolIndex(seg->small)].Erase(b);
+      return;
+    }
     ss->free[PoolIndex(seg->small)].Erase(b);
     if (expandable_) return;  // I10
     if (b->is_split()) {
@@ -1116,17 +1133,25 @@ class CachingDeviceAllocator::Impl {
     b->state = BlockState::kFree;
     b->pending_events = 0;
     if (!b->stream_uses.empty()) b->stream_uses.clear();
-    if (b->prev != nullptr && b->prev->state == BlockState::kFree) {
+    Index(Coalesce(b));
+  }
+
+  // Merges unindexed free block `b` with its free neighbours of the same
+  // kind (mapped or not) and returns the result, still unindexed.
+  Block* Coalesce(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (b->prev != nullptr && b->prev->state == BlockState::kFree &&
+        b->prev->unmapped == b->unmapped) {
       Block* prev = b->prev;
       Unindex(prev);
       MergeNext(prev, blocks_);
       b = prev;
     }
-    if (b->next != nullptr && b->next->state == BlockState::kFree) {
+    if (b->next != nullptr && b->next->state == BlockState::kFree &&
+        b->next->unmapped == b->unmapped) {
       Unindex(b->next);
       MergeNext(b, blocks_);
     }
-    Index(b);
+    return b;
   }
 
   // ---- Events --------------------------------------------------------------
@@ -1403,6 +1428,14 @@ class CachingDeviceAllocator::Impl {
   absl::StatusOr<Block*> NewSegment(StreamState* ss, std::size_t bytes,
                                     bool small)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const std::size_t limit = options_.memory_limit_bytes;
+    if (limit != 0 && Reserved() + bytes > limit) {
+      return DriverError(
+          cu::kErrorOutOfMemory, "cuMemAlloc",
+          absl::StrFormat("memory_limit_bytes (%d) reached: the allocator "
+                          "holds %d bytes and needs %d more",
+                          limit, Reserved(), bytes));
+    }
     CTXPOOL_ASSIGN_OR_RETURN(BackedRange range, backing_->Allocate(bytes));
     ++upstream_allocs_;
     auto seg = std::make_unique<DeviceSegment>();
@@ -1457,10 +1490,16 @@ class CachingDeviceAllocator::Impl {
         }
         // The granules unmapped so far are in the cache; the rest stay
         // mapped under free blocks, and the range stays, for a retry.
-        if (!s.ok() && keep_on_error) return s;
+        if (!s.ok() && keep_on_error) {
+          MarkUnmappedRuns(seg);
+          return s;
+        }
         if (s.ok()) {
           s = driver_.MemAddressFree(DevicePtr(r->base), r->size);
-          if (!s.ok() && keep_on_error) return s;
+          if (!s.ok() && keep_on_error) {
+            MarkUnmappedRuns(seg);
+            return s;
+          }
         }
       }
       // Whatever could not be unmapped is dropped from the books: leaked.
@@ -1514,6 +1553,33 @@ class CachingDeviceAllocator::Impl {
     }
     segments_.erase(seg->base);
     return s;
+  }
+
+  // Expandable mode, after unmapping failed part way: carves the unmapped
+  // granule runs under `seg`'s mapped free blocks into unmapped blocks, so
+  // that the blocks say again what is mapped (I9, I11). Error path only:
+  // linear in the segment's blocks and granules.
+  void MarkUnmappedRuns(Segment* seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const VmmRange* r = RangeOf(seg);
+    std::vector<Block*> mapped_free;
+    for (Block* b = seg->first; b != nullptr; b = b->next) {
+      if (MappedFree(b)) mapped_free.push_back(b);
+    }
+    for (Block* b : mapped_free) {
+      const std::size_t lo = (b->address - r->base + granule_ - 1) / granule_;
+      const std::size_t hi = (b->end() - r->base) / granule_;
+      // Highest run first, so that `b` stays the block below it.
+      for (std::size_t i = hi; i > lo;) {
+        if (r->IsMapped(i - 1)) {
+          --i;
+          continue;
+        }
+        const std::size_t run_hi = i;
+        while (i > lo && !r->IsMapped(i - 1)) --i;
+        Carve(b, r->base + i * granule_, r->base + run_hi * granule_,
+              /*to_unmapped=*/true);
+      }
+    }
   }
 
   // The wholly free segments (both pools) for which keep(seg) is true, in
@@ -1762,18 +1828,6 @@ class CachingDeviceAllocator::Impl {
   std::size_t CacheBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return granule_cache_.size() * granule_;
   }
-  // The bytes of `b` that a request takes (all of it unless it splits).
-  std::size_t TakeSize(const Block* b, std::size_t rounded, bool small) const {
-    return classes_.ShouldSplit(b->size, rounded, small) ? rounded : b->size;
-  }
-  // Whether [b->address, +bytes) lies on mapped granules.
-  bool Backed(const Block* b, std::size_t bytes) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const VmmRange* r = RangeOf(b->segment);
-    const std::size_t lo = (b->address - r->base) / granule_;
-    const std::size_t hi = (b->address + bytes - 1 - r->base) / granule_;
-    return r->AllMapped(lo, hi + 1);
-  }
   // The bytes of [address, address + bytes) that lie on mapped granules.
   std::size_t MappedBytes(const Segment* seg, std::uint64_t address,
                           std::size_t bytes) const
@@ -1829,6 +1883,7 @@ class CachingDeviceAllocator::Impl {
     b->size = seg->size;
     b->segment = seg.get();
     b->state = BlockState::kFree;
+    b->unmapped = true;
     seg->first = b;
     Bump(ss, &PoolStats::segment, small, 1);
     slot = seg.get();
@@ -1838,43 +1893,123 @@ class CachingDeviceAllocator::Impl {
     return slot;
   }
 
-  // Maps granule `i` of `seg`: a cached one first, else cuMemCreate.
-  absl::Status MapGranule(Segment* seg, std::size_t i)
+  // The physical memory the allocator holds: mapped granules, the granule
+  // cache, and `in_hand` granules taken out of the cache.
+  std::size_t PhysicalBytes(std::size_t in_hand) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return Reserved() + CacheBytes() + in_hand * granule_;
+  }
+
+  // Appends `n` granules' physical handles to *handles: cached ones first
+  // (most recently unmapped), then cuMemCreate. Growth past
+  // options_.memory_limit_bytes fails as the driver's out-of-memory would.
+  // On failure *handles keeps what it got (the caller returns it to the
+  // cache).
+  absl::Status AcquireGranules(
+      std::size_t n, absl::InlinedVector<PhysicalMemHandle, 16>* handles)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    while (handles->size() < n && !granule_cache_.empty()) {
+      handles->push_back(granule_cache_.back().handle);
+      granule_cache_.pop_back();
+    }
+    const std::size_t create = n - handles->size();
+    if (create == 0) return absl::OkStatus();
+    const std::size_t limit = options_.memory_limit_bytes;
+    if (limit != 0 &&
+        PhysicalBytes(handles->size()) + create * granule_ > limit) {
+      return DriverError(
+          cu::kErrorOutOfMemory, "cuMemCreate",
+          absl::StrFormat("memory_limit_bytes (%d) reached: the allocator "
+                          "holds %d bytes and needs %d more",
+                          limit, PhysicalBytes(handles->size()),
+                          create * granule_));
+    }
+    for (std::size_t k = 0; k < create; ++k) {
+      CTXPOOL_ASSIGN_OR_RETURN(PhysicalMemHandle h,
+                               driver_.MemCreate(granule_, device_));
+      ++upstream_allocs_;
+      handles->push_back(h);
+    }
+    return absl::OkStatus();
+  }
+
+  // Maps the granules of [lo, hi) (granule aligned, inside unmapped free
+  // block `u` of `seg`): one cuMemMap per granule and one cuMemSetAccess
+  // for the run. Returns the mapped free block (coalesced with its mapped
+  // neighbours) that now covers [lo, hi). On failure the run is rolled back
+  // into the granule cache; a granule that can be neither given access nor
+  // unmapped stays mapped on the books, so its address is never mapped
+  // twice.
+  absl::StatusOr<Block*> MapRun(Segment* seg, Block* u, std::uint64_t lo,
+                                std::uint64_t hi)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     VmmRange* r = RangeOf(seg);
-    PhysicalMemHandle h;
-    if (!granule_cache_.empty()) {
-      h = granule_cache_.back().handle;
-      granule_cache_.pop_back();
-    } else {
-      CTXPOOL_ASSIGN_OR_RETURN(h, driver_.MemCreate(granule_, device_));
-      ++upstream_allocs_;
-    }
-    const DevicePtr at(r->base + i * granule_);
-    absl::Status s = driver_.MemMap(at, granule_, 0, h);
-    if (s.ok()) {
-      s = driver_.MemSetAccess(at, granule_, device_);
-      if (!s.ok()) {
-        // Roll the map back (one retry). A granule that can neither get
-        // its access nor be unmapped stays mapped on the books, so that its
-        // address is never mapped twice; the error goes to the caller.
-        ++driver_errors_;
-        if (!driver_.MemUnmap(at, granule_).ok() &&
-            !driver_.MemUnmap(at, granule_).ok()) {
-          ++driver_errors_;
-          if (driver_.MemSetAccess(at, granule_, device_).ok()) s = {};
-          NoteMapped(seg, i, h);
-          return s;
-        }
-      }
-    }
+    const std::size_t n = (hi - lo) / granule_;
+    const std::size_t i0 = (lo - r->base) / granule_;
+    absl::InlinedVector<PhysicalMemHandle, 16> handles;
+    absl::Status s = AcquireGranules(n, &handles);
     if (!s.ok()) {
-      // Keep the granule (new or cached) for the next growth.
-      granule_cache_.push_back({h, Now()});
+      for (PhysicalMemHandle h : handles) granule_cache_.push_back({h, Now()});
       return s;
     }
-    NoteMapped(seg, i, h);
-    return absl::OkStatus();
+    std::size_t done = 0;
+    for (; done < n; ++done) {
+      s = driver_.MemMap(DevicePtr(lo + done * granule_), granule_, 0,
+                         handles[done]);
+      if (!s.ok()) break;
+    }
+    if (s.ok()) {
+      s = driver_.MemSetAccess(DevicePtr(lo), hi - lo, device_);
+      if (!s.ok()) ++driver_errors_;
+    }
+    if (s.ok()) {
+      for (std::size_t k = 0; k < n; ++k) NoteMapped(seg, i0 + k, handles[k]);
+      return Carve(u, lo, hi, /*to_unmapped=*/false);
+    }
+    // Roll back (one retry per unmap); keep the granules for the next growth.
+    absl::InlinedVector<std::size_t, 4> stuck;
+    for (std::size_t k = 0; k < done; ++k) {
+      const DevicePtr at(lo + k * granule_);
+      if (driver_.MemUnmap(at, granule_).ok() ||
+          driver_.MemUnmap(at, granule_).ok()) {
+        granule_cache_.push_back({handles[k], Now()});
+      } else {
+        ++driver_errors_;
+        stuck.push_back(k);
+      }
+    }
+    for (std::size_t k = done; k < n; ++k) {
+      granule_cache_.push_back({handles[k], Now()});
+    }
+    // Highest first, so that `u` still starts the unmapped rest below.
+    for (auto it = stuck.rbegin(); it != stuck.rend(); ++it) {
+      const std::uint64_t at = lo + *it * granule_;
+      if (!driver_.MemSetAccess(DevicePtr(at), granule_, device_).ok()) {
+        ++driver_errors_;
+      }
+      NoteMapped(seg, i0 + *it, handles[*it]);
+      Carve(u, at, at + granule_, /*to_unmapped=*/false);
+    }
+    return s;
+  }
+
+  // Turns [lo, hi) of free block `b` (granule aligned when it changes the
+  // mapping) into a free block of the other kind: mapped when !to_unmapped,
+  // else unmapped. The parts of `b` outside stay as they were. Returns the
+  // new block, coalesced with its neighbours of the same kind and indexed.
+  Block* Carve(Block* b, std::uint64_t lo, std::uint64_t hi, bool to_unmapped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Unindex(b);
+    if (lo > b->address) {
+      Block* mid = SplitBlock(b, lo - b->address, blocks_);
+      Index(b);
+      b = mid;
+    }
+    if (hi < b->end()) Index(SplitBlock(b, hi - b->address, blocks_));
+    b->unmapped = to_unmapped;
+    b = Coalesce(b);
+    Index(b);
+    return b;
   }
 
   // Books granule `i` of `seg` as mapped to `h`.
@@ -1917,50 +2052,42 @@ class CachingDeviceAllocator::Impl {
     return absl::OkStatus();
   }
 
-  // Maps the granules under [address, +bytes) of `seg`.
-  absl::Status MapRange(Segment* seg, std::uint64_t address, std::size_t bytes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    VmmRange* r = RangeOf(seg);
-    const std::size_t lo = (address - r->base) / granule_;
-    const std::size_t hi = (address + bytes - 1 - r->base) / granule_;
-    for (std::size_t i = lo; i <= hi; ++i) {
-      if (!r->IsMapped(i)) CTXPOOL_RETURN_IF_ERROR(MapGranule(seg, i));
-    }
-    return absl::OkStatus();
-  }
+  // A run of whole granules [lo, hi) (indexes in the range) under the mapped
+  // free block `block`.
+  struct GranuleRun {
+    Block* block;
+    std::size_t lo;
+    std::size_t hi;
+  };
 
-  // Calls fn(seg, i) for each mapped granule of `ss` wholly covered by a
-  // free block, outside [skip_lo, skip_hi).
+  // Calls fn(run) for the whole granules under each mapped free block of
+  // `ss` (large pool first, largest block first) that does not overlap
+  // [skip_lo, skip_hi), until fn returns false. Walks the free indexes only
+  // (never the allocated blocks), and stops at blocks under a granule.
   template <typename Fn>
-  void ForFreeGranules(StreamState* ss, std::uint64_t skip_lo,
-                       std::uint64_t skip_hi, Fn fn)
+  void ForFreeGranuleRuns(StreamState* ss, std::uint64_t skip_lo,
+                          std::uint64_t skip_hi, Fn fn)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (Segment* seg : ss->range) {
+    for (int pool : {1, 0}) {
+      const Segment* seg = ss->range[pool];
       if (seg == nullptr) continue;
-      VmmRange* r = RangeOf(seg);
+      const VmmRange* r = RangeOf(seg);
       if (r->mapped == 0) continue;
-      for (Block* b = seg->first; b != nullptr; b = b->next) {
-        if (b->state != BlockState::kFree) continue;
+      for (Block* b = ss->free[pool].Last();
+           b != nullptr && b->size >= granule_; b = FreeIndex<Block>::Prev(b)) {
+        if (b->address < skip_hi && b->end() > skip_lo) continue;
         const std::size_t lo = (b->address - r->base + granule_ - 1) / granule_;
         const std::size_t hi = (b->end() - r->base) / granule_;
-        // Collected first: fn may unmap (erase from the map).
-        absl::InlinedVector<std::size_t, 16> mapped;
-        r->ForEachMapped(lo, hi, [&](std::size_t i, PhysicalMemHandle) {
-          const std::uint64_t at = r->base + i * granule_;
-          if (!(at < skip_hi && at + granule_ > skip_lo)) mapped.push_back(i);
-          return true;
-        });
-        for (std::size_t i : mapped) {
-          if (!fn(seg, i)) return;
-        }
+        if (lo >= hi) continue;
+        if (!fn(GranuleRun{b, lo, hi})) return;
       }
     }
   }
   std::size_t FreeMappedBytes(StreamState* ss)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::size_t n = 0;
-    ForFreeGranules(ss, 0, 0, [&](Segment*, std::size_t) {
-      n += granule_;
+    ForFreeGranuleRuns(ss, 0, 0, [&](const GranuleRun& run) {
+      n += (run.hi - run.lo) * granule_;
       return true;
     });
     return n;
@@ -1982,20 +2109,24 @@ class CachingDeviceAllocator::Impl {
     return done.ok() && *done;
   }
 
-  // Unmaps up to `want` bytes of `ss`'s free granules (outside the skip
-  // range) into the cache once its queued work is done: with `wait`, waits
+  // Unmaps up to `want` bytes (rounded up to granules) of `ss`'s free mapped
+  // granules (under blocks outside the skip range, the top of a block
+  // first) into the cache once its queued work is done: with `wait`, waits
   // for it (counted in *waits); else sets *busy and unmaps nothing.
   absl::Status UnmapFreeGranules(StreamState* ss, std::size_t want, bool wait,
                                  int* waits, bool* busy, std::size_t* unmapped,
                                  std::uint64_t skip_lo = 0,
                                  std::uint64_t skip_hi = 0)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    std::vector<std::pair<Segment*, std::size_t>> todo;
+    absl::InlinedVector<GranuleRun, 8> todo;
     std::size_t bytes = 0;
-    ForFreeGranules(ss, skip_lo, skip_hi, [&](Segment* seg, std::size_t i) {
+    ForFreeGranuleRuns(ss, skip_lo, skip_hi, [&](GranuleRun run) {
       if (bytes >= want) return false;
-      todo.emplace_back(seg, i);
-      bytes += granule_;
+      const std::size_t left =
+          (want - bytes) / granule_ + ((want - bytes) % granule_ != 0);
+      if (run.hi - run.lo > left) run.lo = run.hi - left;
+      todo.push_back(run);
+      bytes += (run.hi - run.lo) * granule_;
       return true;
     });
     if (todo.empty()) return absl::OkStatus();
@@ -2011,14 +2142,24 @@ class CachingDeviceAllocator::Impl {
       *busy = true;
       return absl::OkStatus();
     }
+    // Carving one run's block touches only that block and unmapped
+    // neighbours, so the other runs' blocks stay valid.
     absl::Status first;
-    for (const auto& [seg, i] : todo) {
-      absl::Status s = UnmapGranule(seg, i);
-      if (!s.ok()) {
-        first.Update(s);
-        continue;
+    for (const GranuleRun& run : todo) {
+      Segment* seg = run.block->segment;
+      const VmmRange* r = RangeOf(seg);
+      std::size_t i = run.lo;
+      for (; i < run.hi; ++i) {
+        absl::Status s = UnmapGranule(seg, i);
+        if (!s.ok()) {
+          first.Update(s);
+          break;
+        }
       }
-      if (unmapped != nullptr) *unmapped += granule_;
+      if (i == run.lo) continue;
+      Carve(run.block, r->base + run.lo * granule_, r->base + i * granule_,
+            /*to_unmapped=*/true);
+      if (unmapped != nullptr) *unmapped += (i - run.lo) * granule_;
     }
     return first;
   }
@@ -2135,69 +2276,111 @@ class CachingDeviceAllocator::Impl {
     return got;
   }
 
-  // The slow path of Allocate in expandable mode. REQUIRES: context set.
+  // Where a request that no mapped free block serves goes: the run [lo, hi)
+  // (granule aligned) of unmapped free block `u` to map. Of the best-fit
+  // unmapped block and the largest one (the range's tail), each alone or
+  // extending the mapped free block just before or after it, the placement
+  // that maps the fewest new bytes wins. O(log n).
+  struct Placement {
+    Block* u = nullptr;
+    std::uint64_t lo = 0;
+    std::uint64_t hi = 0;
+    std::size_t bytes() const { return hi - lo; }
+  };
+  static bool MappedFree(const Block* b) {
+    return b != nullptr && b->state == BlockState::kFree && !b->unmapped;
+  }
+  Placement Place(StreamState* ss, std::size_t rounded, bool small) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const FreeIndex<Block>& index = ss->unmapped[PoolIndex(small)];
+    const std::size_t whole = SizeClasses::RoundUp(rounded, granule_);
+    Placement best;
+    auto consider = [&](Block* u) {
+      if (u == nullptr || u->size < whole) return;
+      if (best.u == nullptr || whole < best.bytes()) {
+        best = {u, u->address, u->address + whole};
+      }
+      if (MappedFree(u->prev) && u->prev->size < rounded) {
+        const std::size_t m =
+            SizeClasses::RoundUp(rounded - u->prev->size, granule_);
+        if (m < best.bytes()) best = {u, u->address, u->address + m};
+      }
+      if (MappedFree(u->next) && u->next->size < rounded) {
+        const std::size_t m =
+            SizeClasses::RoundUp(rounded - u->next->size, granule_);
+        if (m < best.bytes()) best = {u, u->end() - m, u->end()};
+      }
+    };
+    consider(index.LowerBound(whole));
+    consider(index.Last());
+    return best;
+  }
+  // The addresses a placement uses: its run and the mapped free neighbours
+  // it extends (Reclaim leaves them mapped).
+  static std::pair<std::uint64_t, std::uint64_t> Span(const Placement& at) {
+    std::uint64_t lo = at.lo, hi = at.hi;
+    if (at.lo == at.u->address && MappedFree(at.u->prev)) {
+      lo = at.u->prev->address;
+    }
+    if (at.hi == at.u->end() && MappedFree(at.u->next)) hi = at.u->next->end();
+    return {lo, hi};
+  }
+
+  // The slow path of Allocate in expandable mode: no mapped free block of
+  // the stream fits, so map granules at the cheapest place (Place), cached
+  // granules first. Mapped memory is never unmapped here except under
+  // pressure: the tenant's max, or the device (or memory_limit_bytes) out of
+  // memory, when free granules move through the cache (Reclaim).
+  // REQUIRES: context set.
   absl::StatusOr<DevicePtr> AllocateExpandable(
       StreamState* ss, std::size_t rounded, std::size_t requested, bool small,
       OomReport* report, bool* oom) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     CTXPOOL_ASSIGN_OR_RETURN(Segment * seg, EnsureRange(ss, small));
-    Block* b = FindFree(ss, rounded, small);
-    if (b == nullptr) {  // the virtual range is full
+    Placement at = Place(ss, rounded, small);
+    auto exhausted = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       ++num_alloc_retries_;
       *oom = true;
       return absl::ResourceExhaustedError("virtual range exhausted");
-    }
-    const std::size_t take = TakeSize(b, rounded, small);
-    const std::uint64_t lo = b->address;
-    const std::uint64_t hi = b->address + take;
-    std::size_t need = UnmappedBytes(seg, lo, take);
-    Tenant& t = *tenants_[ss->tenant];
+    };
+    if (at.u == nullptr) return exhausted();
+    const Tenant& t = *tenants_[ss->tenant];
     if (t.budget.max != kNoLimit &&
-        TenantMapped(ss->tenant) + need > t.budget.max) {
-      // Over max: reuse the tenant's own free granules first.
+        TenantMapped(ss->tenant) + at.bytes() > t.budget.max) {
+      // Over max: the tenant's own free granules move here first.
+      std::size_t over = TenantMapped(ss->tenant) + at.bytes() - t.budget.max;
+      const auto [skip_lo, skip_hi] = Span(at);
       for (StreamState* x : TenantStreams(ss->tenant)) {
         bool busy = false;
-        UnmapFreeGranules(x, kNoLimit, /*wait=*/false, nullptr, &busy, nullptr,
-                          x == ss ? lo : 0, x == ss ? hi : 0)
-            .IgnoreError();
-      }
-      need = UnmappedBytes(seg, lo, take);
-      if (TenantMapped(ss->tenant) + need > t.budget.max) {
-        return TenantOom(ss, rounded, requested, need, report, oom);
-      }
-    }
-    // Compaction: rather than growing while much of the tenant's mapped
-    // memory sits free, move free granules of its idle streams (this one
-    // first) to the cache. No wait: busy streams keep theirs.
-    if (need > CacheBytes()) {
-      const std::size_t live = TenantLive(ss->tenant) + take;
-      const std::size_t slack = std::max<std::size_t>(2 * granule_, live / 32);
-      if (TenantMapped(ss->tenant) + need > live + slack) {
-        const std::size_t want = need - CacheBytes();
         std::size_t got = 0;
-        bool busy = false;
-        UnmapFreeGranules(ss, want, /*wait=*/false, nullptr, &busy, &got, lo,
-                          hi)
+        UnmapFreeGranules(x, over, /*wait=*/false, nullptr, &busy, &got,
+                          x == ss ? skip_lo : 0, x == ss ? skip_hi : 0)
             .IgnoreError();
-        for (StreamState* x : TenantStreams(ss->tenant)) {
-          if (got >= want) break;
-          if (x == ss) continue;
-          UnmapFreeGranules(x, want - got, /*wait=*/false, nullptr, &busy, &got)
-              .IgnoreError();
-        }
+        over -= std::min(over, got);
+        if (over == 0) break;
+      }
+      at = Place(ss, rounded, small);
+      if (at.u == nullptr) return exhausted();
+      if (TenantMapped(ss->tenant) + at.bytes() > t.budget.max) {
+        return TenantOom(ss, rounded, requested, at.bytes(), report, oom);
       }
     }
-    absl::Status s = MapRange(seg, lo, take);
-    if (!s.ok() && IsOutOfMemory(s)) {
+    absl::StatusOr<Block*> b = MapRun(seg, at.u, at.lo, at.hi);
+    if (!b.ok() && IsOutOfMemory(b.status())) {
       ++num_alloc_retries_;
-      Reclaim(ss, UnmappedBytes(seg, lo, take), lo, hi);
-      s = MapRange(seg, lo, take);
+      const std::size_t cached = CacheBytes();
+      const auto [skip_lo, skip_hi] = Span(at);
+      Reclaim(ss, at.bytes() > cached ? at.bytes() - cached : 0, skip_lo,
+              skip_hi);
+      at = Place(ss, rounded, small);  // Reclaim reshaped the blocks
+      if (at.u == nullptr) return exhausted();
+      b = MapRun(seg, at.u, at.lo, at.hi);
     }
-    if (!s.ok()) {
-      if (IsOutOfMemory(s)) *oom = true;
-      return s;
+    if (!b.ok()) {
+      if (IsOutOfMemory(b.status())) *oom = true;
+      return b.status();
     }
     NotePeak(ss->tenant);
-    return TakeBlock(b, rounded, requested);
+    return TakeBlock(*b, rounded, requested);
   }
 
   absl::StatusOr<DevicePtr> Traced(absl::StatusOr<DevicePtr> p,
@@ -2238,8 +2421,7 @@ class CachingDeviceAllocator::Impl {
     if (!pending_.empty()) {
       PollPending();
       Block* b = FindFree(ss, rounded, small);
-      if (b != nullptr &&
-          (!expandable_ || Backed(b, TakeSize(b, rounded, small)))) {
+      if (b != nullptr) {
         ++cache_hits_;
         return TakeBlock(b, rounded, requested);
       }
@@ -2330,21 +2512,10 @@ class CachingDeviceAllocator::Impl {
     report->stream = StreamHandle(ss->stream);
     report->live_bytes = Current(total_.allocated_bytes);
     report->reserved_bytes = Reserved();
+    // The free indexes hold mapped blocks only (unmapped virtual space is
+    // not free memory), so the fragmentation stays in [0, 1].
     std::size_t largest = 0;
     for (const auto& [stream, state] : streams_) {
-      if (expandable_) {
-        // A free block may lie on unmapped granules (virtual space only):
-        // the largest free block is the longest mapped run inside one.
-        for (Segment* seg : state->range) {
-          if (seg == nullptr) continue;
-          for (const Block* b = seg->first; b != nullptr; b = b->next) {
-            if (b->state == BlockState::kFree) {
-              largest = std::max(largest, LongestMappedRun(seg, b));
-            }
-          }
-        }
-        continue;
-      }
       for (const FreeIndex<Block>& index : state->free) {
         if (const Block* last = index.Last()) {
           largest = std::max(largest, last->size);
@@ -2365,27 +2536,6 @@ class CachingDeviceAllocator::Impl {
     } else {
       report->device_total_bytes = device_total_;
     }
-  }
-
-  // Expandable mode: the longest run of mapped bytes inside block `b`.
-  std::size_t LongestMappedRun(const Segment* seg, const Block* b) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const VmmRange* r = RangeOf(seg);
-    std::size_t best = 0;
-    std::uint64_t run_lo = 0, run_hi = 0;  // current run, clipped to b
-    r->ForEachMapped((b->address - r->base) / granule_,
-                     (b->end() - r->base + granule_ - 1) / granule_,
-                     [&](std::size_t i, PhysicalMemHandle) {
-                       const std::uint64_t lo = std::max<std::uint64_t>(
-                           b->address, r->base + i * granule_);
-                       const std::uint64_t hi = std::min<std::uint64_t>(
-                           b->end(), r->base + (i + 1) * granule_);
-                       if (lo != run_hi) run_lo = lo;  // a gap: a new run
-                       run_hi = hi;
-                       best = std::max<std::size_t>(best, run_hi - run_lo);
-                       return true;
-                     });
-    return best;
   }
 
   Driver& driver_;
@@ -2547,11 +2697,21 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
     for (const Block* b = seg.first; b != nullptr; b = b->next) {
       ++blocks;
       const auto size = static_cast<std::int64_t>(b->size);
-      if (range != nullptr && b->state != BlockState::kFree &&
+      if (range != nullptr && !b->unmapped &&
           UnmappedBytes(&seg, b->address, b->size) != 0) {  // I9
         return absl::InternalError(absl::StrFormat(
-            "I9: block 0x%x (%d bytes) in use on unmapped granules", b->address,
-            b->size));
+            "I9: block 0x%x (%d bytes, state %d) is not unmapped yet lies on "
+            "unmapped granules",
+            b->address, b->size, static_cast<int>(b->state)));
+      }
+      if (b->unmapped &&
+          (range == nullptr || b->state != BlockState::kFree ||
+           (b->address - seg.base) % granule_ != 0 || b->size % granule_ != 0 ||
+           MappedBytes(&seg, b->address, b->size) != 0)) {  // I11
+        return absl::InternalError(absl::StrFormat(
+            "I11: unmapped block 0x%x (%d bytes) is not free, not granule "
+            "aligned or has mapped granules",
+            b->address, b->size));
       }
       switch (b->state) {
         case BlockState::kAllocated: {
@@ -2586,7 +2746,9 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
         case BlockState::kFree:
           ++free_blocks;
           if (range == nullptr) free_bytes += b->size;
-          if (!index.Contains(b) || b->key_size() != b->size ||
+          if (!(b->unmapped ? ss->unmapped[PoolIndex(seg.small)] : index)
+                   .Contains(b) ||
+              b->key_size() != b->size ||
               b->key_address() != b->address) {  // I2
             return absl::InternalError(absl::StrFormat(
                 "I2: free block 0x%x (%d bytes) is not in its stream's index "
@@ -2607,9 +2769,10 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
   }
   std::size_t indexed = 0;
   for (const auto& [stream, ss] : streams_) {
-    for (const FreeIndex<Block>& index : ss->free) {
-      indexed += index.size();
-      std::string error = index.Validate();
+    for (const FreeIndex<Block>* index :
+         {&ss->free[0], &ss->free[1], &ss->unmapped[0], &ss->unmapped[1]}) {
+      indexed += index->size();
+      std::string error = index->Validate();
       if (!error.empty()) {
         return absl::InternalError(absl::StrFormat(
             "I2: free index of stream 0x%x: %s", stream, error));
@@ -2679,6 +2842,12 @@ CachingDeviceAllocator::Create(Driver& driver, int device,
                                DeviceAllocatorOptions options) {
   CTXPOOL_RETURN_IF_ERROR(ValidateOptions(options));
   CTXPOOL_ASSIGN_OR_RETURN(std::size_t total, driver.DeviceTotalMem(device));
+  if (options.backing == BackingMode::kAuto) {
+    absl::StatusOr<int> vmm = driver.DeviceGetAttribute(
+        DeviceAttribute::kVirtualMemoryManagementSupported, device);
+    options.backing = vmm.ok() && *vmm != 0 ? BackingMode::kExpandable
+                                            : BackingMode::kClassic;
+  }
   std::size_t granule = 0;
   if (options.backing == BackingMode::kExpandable) {
     absl::StatusOr<int> vmm = driver.DeviceGetAttribute(

@@ -21,7 +21,8 @@ std::string Mib(std::size_t bytes) {
   return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20));
 }
 
-// Applies CTXPOOL_BACKING and CTXPOOL_MAX_SPLIT_BYTES to `options`.
+// Applies CTXPOOL_BACKING, CTXPOOL_MAX_SPLIT_BYTES and CTXPOOL_MEMORY_LIMIT
+// to `options`.
 absl::Status ApplyOptionTable(Driver& driver, int device,
                               DeviceAllocatorOptions& options) {
   const std::string backing =
@@ -43,6 +44,9 @@ absl::Status ApplyOptionTable(Driver& driver, int device,
   CTXPOOL_ASSIGN_OR_RETURN(std::size_t max_split,
                            GetOptionBytes(OptionId::kMaxSplitBytes));
   if (max_split != 0) options.max_split_size = max_split;
+  CTXPOOL_ASSIGN_OR_RETURN(std::size_t limit,
+                           GetOptionBytes(OptionId::kMemoryLimit));
+  if (limit != 0) options.memory_limit_bytes = limit;
   return absl::OkStatus();
 }
 

@@ -15,6 +15,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "ctxpool/core/json_string.h"
 #include "ctxpool/driver/sim_driver.h"
@@ -37,10 +38,10 @@ absl::StatusOr<SimDeviceSpec> SpecFor(const ReplayConfig& config) {
     CTXPOOL_ASSIGN_OR_RETURN(spec, SimDevicePreset(config.device));
   }
   if (config.capacity_bytes > kSimMaxCapacityBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "capacity ", FormatBytes(config.capacity_bytes),
-        " is more than the largest simulated device (",
-        FormatBytes(kSimMaxCapacityBytes), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("capacity ", FormatBytes(config.capacity_bytes),
+                     " is more than the largest simulated device (",
+                     FormatBytes(kSimMaxCapacityBytes), ")"));
   }
   if (config.capacity_bytes != 0) {
     spec.capacity_bytes = config.capacity_bytes;
@@ -86,6 +87,31 @@ class ReplayRun {
   // After Trim(0) at event `index`: records reserved − live and the streams
   // with live blocks (ReplayResult::max_trim_residual_*).
   void MeasureTrimPoint(std::size_t index, std::size_t active_streams);
+  // SimDriver's call counters now (empty on another driver).
+  std::vector<std::uint64_t> CallCounts() const {
+    std::vector<std::uint64_t> v;
+    if (sim_ == nullptr) return v;
+    v.resize(kSimCallCount);
+    for (int c = 0; c < kSimCallCount; ++c) {
+      v[c] = sim_->call_count(static_cast<SimCall>(c));
+    }
+    return v;
+  }
+  // The calls made since `before`, by name (name order, non-zero only).
+  void CallsSince(const std::vector<std::uint64_t>& before,
+                  std::vector<std::pair<std::string, std::uint64_t>>* out,
+                  std::uint64_t* total) const {
+    out->clear();
+    *total = 0;
+    const std::vector<std::uint64_t> now = CallCounts();
+    for (std::size_t c = 0; c < now.size() && c < before.size(); ++c) {
+      const std::uint64_t d = now[c] - before[c];
+      if (d == 0) continue;
+      out->emplace_back(std::string(SimCallName(static_cast<SimCall>(c))), d);
+      *total += d;
+    }
+    std::sort(out->begin(), out->end());
+  }
 
   const Trace& trace_;
   Driver& driver_;
@@ -171,6 +197,12 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
     sim_time_before = sim_->simulated_time_ns();
   }
   CTXPOOL_RETURN_IF_ERROR(Setup());
+  result_.backing = alloc_->options().backing == BackingMode::kExpandable
+                        ? "expandable"
+                        : "classic";
+  const std::vector<std::uint64_t> calls_at_start = CallCounts();
+  const std::int64_t driver_ns_at_start =
+      sim_ != nullptr ? sim_->simulated_time_ns() : 0;
   if (sim_ != nullptr) {
     upstream_before = sim_->call_count(SimCall::kMemAlloc) +
                       sim_->call_count(SimCall::kMemCreate);
@@ -203,93 +235,135 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
   std::uint64_t live_bytes = 0;
   const std::int64_t start_ns = NowNs();
 
-  for (std::size_t i = 0; i < n; ++i) {
-    const TraceEvent& e = events[i];
-    if (e.op == TraceOp::kAlloc) {
-      const StreamHandle stream = streams_.at(e.stream);
-      const std::int64_t s0 =
-          sim_costs ? SimDriver::thread_simulated_time_ns() : 0;
-      const std::int64_t w0 = config_.wall_latency ? NowNs() : 0;
-      absl::StatusOr<DevicePtr> p = alloc_->Allocate(e.size, stream);
-      if (config_.wall_latency) wall_alloc.push_back(NowNs() - w0);
-      if (sim_costs) {
-        sim_alloc.push_back(SimDriver::thread_simulated_time_ns() - s0);
-      }
-      ++result_.ops;
-      if (!p.ok()) {
-        const absl::StatusCode code = p.status().code();
-        if (code != absl::StatusCode::kResourceExhausted &&
-            code != absl::StatusCode::kInvalidArgument) {
-          return absl::Status(code,
-                              absl::StrCat("event ", i, ": Allocate(", e.size,
-                                           ") failed: ", p.status().message()));
+  const int passes = std::max(1, config_.passes);
+  for (int pass = 0; pass < passes && !result_.stopped_at_oom; ++pass) {
+    const std::vector<std::uint64_t> calls_at_pass = CallCounts();
+    const std::int64_t driver_ns_at_pass =
+        sim_ != nullptr ? sim_->simulated_time_ns() : 0;
+    const std::uint64_t ops_at_pass = result_.ops;
+    if (pass != 0) failed.clear();  // their frees belong to the last pass
+    for (std::size_t i = 0; i < n; ++i) {
+      const TraceEvent& e = events[i];
+      if (e.op == TraceOp::kAlloc) {
+        const StreamHandle stream = streams_.at(e.stream);
+        const std::int64_t s0 =
+            sim_costs ? SimDriver::thread_simulated_time_ns() : 0;
+        const std::int64_t w0 = config_.wall_latency ? NowNs() : 0;
+        absl::StatusOr<DevicePtr> p = alloc_->Allocate(e.size, stream);
+        if (config_.wall_latency) wall_alloc.push_back(NowNs() - w0);
+        if (sim_costs) {
+          sim_alloc.push_back(SimDriver::thread_simulated_time_ns() - s0);
         }
-        ++result_.ooms;
-        failed.insert(e.ptr);
-        if (!result_.first_oom) {
-          OomInfo oom;
-          oom.event_index = i;
-          oom.requested_bytes = e.size;
-          oom.live_bytes = live_bytes;
-          oom.reserved_bytes = static_cast<std::uint64_t>(
-              alloc_->Stats().total.reserved_bytes[0].current);
-          oom.message = std::string(p.status().message());
-          result_.first_oom = std::move(oom);
-        }
-        if (config_.stop_at_first_oom) {
-          result_.stopped_at_oom = true;
-          break;
-        }
-        continue;
-      }
-      if (!live.emplace(e.ptr, LiveAlloc{*p, e.size, e.stream}).second) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "event %d: allocation of pointer 0x%x, which is live", i, e.ptr));
-      }
-      ++result_.allocs;
-      if (stream_live[e.stream]++ == 0) ++active_streams;
-      live_bytes += e.size;
-      result_.peak_live_bytes = std::max(result_.peak_live_bytes, live_bytes);
-    } else if (e.op == TraceOp::kFree) {
-      auto it = live.find(e.ptr);
-      if (it == live.end()) {
-        if (failed.erase(e.ptr) != 0) {
-          ++result_.skipped_frees;
+        ++result_.ops;
+        if (!p.ok()) {
+          const absl::StatusCode code = p.status().code();
+          if (code != absl::StatusCode::kResourceExhausted &&
+              code != absl::StatusCode::kInvalidArgument) {
+            return absl::Status(
+                code, absl::StrCat("event ", i, ": Allocate(", e.size,
+                                   ") failed: ", p.status().message()));
+          }
+          ++result_.ooms;
+          failed.insert(e.ptr);
+          if (!result_.first_oom) {
+            OomInfo oom;
+            oom.event_index = i;
+            oom.requested_bytes = e.size;
+            oom.live_bytes = live_bytes;
+            oom.reserved_bytes = static_cast<std::uint64_t>(
+                alloc_->Stats().total.reserved_bytes[0].current);
+            oom.message = std::string(p.status().message());
+            result_.first_oom = std::move(oom);
+          }
+          if (config_.stop_at_first_oom) {
+            result_.stopped_at_oom = true;
+            break;
+          }
           continue;
         }
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "event %d: free of unknown pointer 0x%x", i, e.ptr));
+        if (!live.emplace(e.ptr, LiveAlloc{*p, e.size, e.stream}).second) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "event %d: allocation of pointer 0x%x, which is live", i, e.ptr));
+        }
+        ++result_.allocs;
+        if (stream_live[e.stream]++ == 0) ++active_streams;
+        live_bytes += e.size;
+        result_.peak_live_bytes = std::max(result_.peak_live_bytes, live_bytes);
+      } else if (e.op == TraceOp::kFree) {
+        auto it = live.find(e.ptr);
+        if (it == live.end()) {
+          if (failed.erase(e.ptr) != 0) {
+            ++result_.skipped_frees;
+            continue;
+          }
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "event %d: free of unknown pointer 0x%x", i, e.ptr));
+        }
+        const std::int64_t s0 =
+            sim_costs ? SimDriver::thread_simulated_time_ns() : 0;
+        const std::int64_t w0 = config_.wall_latency ? NowNs() : 0;
+        absl::Status st = alloc_->Deallocate(it->second.ptr);
+        if (config_.wall_latency) wall_free.push_back(NowNs() - w0);
+        if (sim_costs) {
+          sim_free.push_back(SimDriver::thread_simulated_time_ns() - s0);
+        }
+        if (!st.ok()) {
+          return absl::InternalError(
+              absl::StrCat("event ", i, ": Deallocate failed: ", st.message()));
+        }
+        ++result_.ops;
+        ++result_.frees;
+        live_bytes -= it->second.size;
+        if (--stream_live[it->second.stream] == 0) --active_streams;
+        live.erase(it);
+      } else if (e.op == TraceOp::kTrim && config_.replay_trims) {
+        CTXPOOL_RETURN_IF_ERROR(alloc_->Trim(0).status());
+        ++result_.trims;
+        MeasureTrimPoint(i, active_streams);
+      } else {
+        ++result_.skipped_events;
       }
-      const std::int64_t s0 =
-          sim_costs ? SimDriver::thread_simulated_time_ns() : 0;
-      const std::int64_t w0 = config_.wall_latency ? NowNs() : 0;
-      absl::Status st = alloc_->Deallocate(it->second.ptr);
-      if (config_.wall_latency) wall_free.push_back(NowNs() - w0);
-      if (sim_costs) {
-        sim_free.push_back(SimDriver::thread_simulated_time_ns() - s0);
+      if (i % sample_every == 0) Sample(i, live_bytes);
+      if (config_.progress && (i + 1) % progress_every == 0) {
+        config_.progress(i + 1, n);
       }
-      if (!st.ok()) {
-        return absl::InternalError(
-            absl::StrCat("event ", i, ": Deallocate failed: ", st.message()));
-      }
-      ++result_.ops;
-      ++result_.frees;
-      live_bytes -= it->second.size;
-      if (--stream_live[it->second.stream] == 0) --active_streams;
-      live.erase(it);
-    } else if (e.op == TraceOp::kTrim && config_.replay_trims) {
-      CTXPOOL_RETURN_IF_ERROR(alloc_->Trim(0).status());
-      ++result_.trims;
-      MeasureTrimPoint(i, active_streams);
-    } else {
-      ++result_.skipped_events;
     }
-    if (i % sample_every == 0) Sample(i, live_bytes);
-    if (config_.progress && (i + 1) % progress_every == 0) {
-      config_.progress(i + 1, n);
+    if (pass + 1 < passes && !result_.stopped_at_oom) {
+      // What the trace leaves live goes before the next pass, in address
+      // order (deterministic).
+      std::vector<std::pair<std::uint64_t, LiveAlloc>> rest(live.begin(),
+                                                            live.end());
+      std::sort(rest.begin(), rest.end(), [](const auto& a, const auto& b) {
+        return a.second.ptr < b.second.ptr;
+      });
+      for (const auto& [ptr, a] : rest) {
+        absl::Status st = alloc_->Deallocate(a.ptr);
+        if (!st.ok()) {
+          return absl::InternalError(absl::StrCat(
+              "end of pass ", pass + 1, ": Deallocate failed: ", st.message()));
+        }
+        ++result_.ops;
+        ++result_.frees;
+        live_bytes -= a.size;
+        if (--stream_live[a.stream] == 0) --active_streams;
+      }
+      live.clear();
     }
+    ReplayResult::Pass p;
+    p.ops = result_.ops - ops_at_pass;
+    CallsSince(calls_at_pass, &p.driver_calls, &p.driver_calls_total);
+    if (sim_ != nullptr) {
+      p.simulated_driver_ns = sim_->simulated_time_ns() - driver_ns_at_pass;
+    }
+    result_.passes.push_back(std::move(p));
   }
   result_.wall_time_ns = NowNs() - start_ns;
+  CallsSince(calls_at_start, &result_.driver_calls,
+             &result_.driver_calls_total);
+  if (sim_ != nullptr) {
+    result_.simulated_driver_ns =
+        sim_->simulated_time_ns() - driver_ns_at_start;
+  }
   if (n > 0) Sample(n - 1, live_bytes);
   if (config_.progress) config_.progress(n, n);
 
@@ -333,6 +407,26 @@ void AppendLatencyJson(std::string* out, absl::string_view name,
                         "\"mean_ns\": %.1f, \"total_ns\": %d}",
                         name, l.count, l.p50, l.p99, l.p999, l.max, l.mean,
                         l.total);
+}
+
+void AppendCallsJson(
+    std::string* out,
+    const std::vector<std::pair<std::string, std::uint64_t>>& calls) {
+  *out += "{";
+  for (std::size_t i = 0; i < calls.size(); ++i) {
+    absl::StrAppendFormat(out, "%s%s: %d", i == 0 ? "" : ", ",
+                          JsonString(calls[i].first), calls[i].second);
+  }
+  *out += "}";
+}
+
+std::string CallsText(
+    const std::vector<std::pair<std::string, std::uint64_t>>& calls) {
+  std::vector<std::string> parts;
+  parts.reserve(calls.size());
+  for (const auto& [name, n] : calls)
+    parts.push_back(absl::StrCat(name, " ", n));
+  return parts.empty() ? "none" : absl::StrJoin(parts, ", ");
 }
 
 std::string LatencyLine(absl::string_view name, const LatencyStats& l) {
@@ -460,15 +554,18 @@ absl::Status ParseAllocatorConfig(absl::string_view text,
         options->backing = BackingMode::kClassic;
       } else if (value == "expandable" || value == "vmm") {
         options->backing = BackingMode::kExpandable;
+      } else if (value == "auto") {
+        options->backing = BackingMode::kAuto;
       } else {
         return absl::InvalidArgumentError(absl::StrCat(
-            "--config: backing must be classic or expandable, not '", value,
-            "'"));
+            "--config: backing must be classic, expandable or auto, not '",
+            value, "'"));
       }
       continue;
     }
     std::size_t* field = nullptr;
     if (key == "max_split_size") field = &options->max_split_size;
+    if (key == "memory_limit") field = &options->memory_limit_bytes;
     if (key == "round_bytes") field = &options->round_bytes;
     if (key == "small_size_limit") field = &options->small_size_limit;
     if (key == "small_segment_bytes") field = &options->small_segment_bytes;
@@ -477,8 +574,9 @@ absl::Status ParseAllocatorConfig(absl::string_view text,
     if (field == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--config: unknown key '", key,
-          "' (known: backing, max_split_size, round_bytes, small_size_limit, "
-          "small_segment_bytes, large_segment_bytes, large_round_bytes)"));
+          "' (known: backing, memory_limit, max_split_size, round_bytes, "
+          "small_size_limit, small_segment_bytes, large_segment_bytes, "
+          "large_round_bytes)"));
     }
     absl::StatusOr<std::uint64_t> bytes = ParseByteSize(value);
     if (!bytes.ok() || *bytes == 0) {
@@ -515,6 +613,24 @@ std::string ReplayResultToJson(const ReplayResult& r, bool with_samples) {
       r.max_trim_residual_bytes, r.max_trim_residual_granules_per_stream,
       r.worst_trim_point ? absl::StrCat(*r.worst_trim_point) : "null",
       r.simulated_time_ns, r.wall_time_ns);
+  absl::StrAppendFormat(&out,
+                        "\"backing\": %s, \"driver_calls_total\": %d, "
+                        "\"simulated_driver_ns\": %d, \"driver_calls\": ",
+                        JsonString(r.backing), r.driver_calls_total,
+                        r.simulated_driver_ns);
+  AppendCallsJson(&out, r.driver_calls);
+  out += ", \"passes\": [";
+  for (std::size_t i = 0; i < r.passes.size(); ++i) {
+    const ReplayResult::Pass& p = r.passes[i];
+    absl::StrAppendFormat(&out,
+                          "%s{\"ops\": %d, \"driver_calls_total\": %d, "
+                          "\"simulated_driver_ns\": %d, \"driver_calls\": ",
+                          i == 0 ? "" : ", ", p.ops, p.driver_calls_total,
+                          p.simulated_driver_ns);
+    AppendCallsJson(&out, p.driver_calls);
+    out += "}";
+  }
+  out += "], ";
   if (r.first_oom) {
     absl::StrAppendFormat(
         &out,
@@ -575,10 +691,30 @@ std::string ReplayResultToText(const ReplayResult& r) {
   absl::StrAppendFormat(&out, "end:              %s live, %s reserved\n",
                         FormatBytes(r.end_live_bytes),
                         FormatBytes(r.end_reserved_bytes));
+  absl::StrAppendFormat(&out, "backing:          %s\n", r.backing);
   absl::StrAppendFormat(&out,
                         "upstream:         %d allocations, %d frees "
                         "(cuMemAlloc+cuMemCreate / cuMemFree+cuMemRelease)\n",
                         r.upstream_allocations, r.upstream_frees);
+  absl::StrAppendFormat(&out, "driver calls:     %d, %.3f ms simulated (%s)\n",
+                        r.driver_calls_total,
+                        static_cast<double>(r.simulated_driver_ns) / 1e6,
+                        CallsText(r.driver_calls));
+  if (r.passes.size() > 1) {
+    for (std::size_t i = 0; i < r.passes.size(); ++i) {
+      const ReplayResult::Pass& p = r.passes[i];
+      absl::StrAppendFormat(
+          &out,
+          "  pass %-3d        %d ops, %d driver calls (%.2f per 1000 ops), "
+          "%.3f ms simulated (%s)\n",
+          i + 1, p.ops, p.driver_calls_total,
+          p.ops == 0 ? 0.0
+                     : 1000.0 * static_cast<double>(p.driver_calls_total) /
+                           static_cast<double>(p.ops),
+          static_cast<double>(p.simulated_driver_ns) / 1e6,
+          CallsText(p.driver_calls));
+    }
+  }
   absl::StrAppendFormat(&out, "fragmentation:    max external %.3f\n",
                         r.max_external_fragmentation);
   if (r.trims != 0) {

@@ -148,6 +148,8 @@ enum class BackingMode {
   kClassic,     // one cuMemAlloc per segment
   kExpandable,  // VMM: per-stream virtual range, 2 MiB granules mapped on
                 // demand (see docs/architecture.md)
+  kAuto,        // kExpandable where the device supports VMM, else kClassic
+                // (resolved by Create: options().backing is never kAuto)
 };
 
 // What the OOM path tells the user callback and puts in the error message.
@@ -196,6 +198,13 @@ struct DeviceAllocatorOptions {
   // DeviceContext picks the backing from CTXPOOL_BACKING (default "auto":
   // kExpandable where the device supports VMM); a direct user chooses here.
   BackingMode backing = BackingMode::kClassic;
+  // The device memory this allocator may hold (mapped, cached granules and
+  // segments alike), like PyTorch's set_per_process_memory_fraction: growth
+  // past it is treated as the device running out (cached memory is
+  // reclaimed and the request retried, then RESOURCE_EXHAUSTED with the
+  // OOM report). 0: the device's capacity. DeviceContext reads
+  // CTXPOOL_MEMORY_LIMIT.
+  std::size_t memory_limit_bytes = 0;
   // The context to make current for driver calls; null means retain the
   // device's primary context (released at destruction).
   ContextHandle context;

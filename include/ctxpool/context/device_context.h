@@ -97,9 +97,9 @@ struct DeviceContextOptions {
   // the host allocator's `device`) are set by the DeviceContext.
   HostAllocatorOptions host;
   SlabAllocatorOptions slab;
-  // Take the allocator's backing mode (CTXPOOL_BACKING) and max_split_size
-  // (CTXPOOL_MAX_SPLIT_BYTES) from the option table, overriding
-  // `allocator`.
+  // Take the allocator's backing mode (CTXPOOL_BACKING), max_split_size
+  // (CTXPOOL_MAX_SPLIT_BYTES) and memory_limit_bytes (CTXPOOL_MEMORY_LIMIT)
+  // from the option table, overriding `allocator`.
   bool use_option_table = true;
   // Streams of each priority to create up front; -1: the option table
   // (CTXPOOL_STREAM_POOL_RESERVE).

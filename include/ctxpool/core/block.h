@@ -16,7 +16,8 @@
 // Invariants of a segment's block list (CheckSegmentTiling in segment.h):
 //   first->address == segment.base, b->next->address == b->address + b->size,
 //   last->address + last->size == segment.base + segment.size,
-//   b->next->prev == b, and no two neighbours are both kFree (coalesced).
+//   b->next->prev == b, and no two neighbours are both kFree with the same
+//   `unmapped` flag (coalesced).
 //
 // Thread-compatible: callers serialise access.
 #ifndef CTXPOOL_CORE_BLOCK_H_
@@ -45,6 +46,10 @@ struct Block : FreeIndexNode {
   Block* next = nullptr;
   Segment* segment = nullptr;
   BlockState state = BlockState::kFree;
+  // Expandable (VMM) segments only: a free block over unmapped granules
+  // (virtual space, no memory behind it). Such a block starts and ends on
+  // granule boundaries and is never coalesced with a mapped free neighbour.
+  bool unmapped = false;
   // Events still to complete before a kPendingFree block becomes kFree.
   int pending_events = 0;
   // Streams other than the owner that used the block (RecordStream).
@@ -83,6 +88,7 @@ class BlockPool {
     b->prev = nullptr;
     b->segment = nullptr;
     b->state = BlockState::kFree;
+    b->unmapped = false;
     b->pending_events = 0;
     b->stream_uses.clear();
     b->next = free_;
@@ -118,6 +124,7 @@ inline Block* SplitBlock(Block* b, std::size_t size, BlockPool& pool) {
   rest->size = b->size - size;
   rest->segment = b->segment;
   rest->state = b->state;
+  rest->unmapped = b->unmapped;
   rest->prev = b;
   rest->next = b->next;
   if (b->next != nullptr) b->next->prev = rest;
@@ -127,7 +134,8 @@ inline Block* SplitBlock(Block* b, std::size_t size, BlockPool& pool) {
 }
 
 // Merges b->next into `b` (b grows; the neighbour returns to `pool`).
-// REQUIRES: b->next != nullptr; neither is linked in an index.
+// REQUIRES: b->next != nullptr; neither is linked in an index; both have the
+// same `unmapped` flag.
 inline void MergeNext(Block* b, BlockPool& pool) {
   Block* n = b->next;
   b->size += n->size;

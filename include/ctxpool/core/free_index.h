@@ -166,6 +166,15 @@ class FreeIndexBase {
     while (n->parent_ != nullptr && n->parent_->right_ == n) n = n->parent_;
     return n->parent_;
   }
+  static FreeIndexNode* PrevNode(const FreeIndexNode* n) {
+    if (n->left_ != nullptr) {
+      FreeIndexNode* m = n->left_;
+      while (m->right_ != nullptr) m = m->right_;
+      return m;
+    }
+    while (n->parent_ != nullptr && n->parent_->left_ == n) n = n->parent_;
+    return n->parent_;
+  }
 
  private:
   static bool KeyLess(std::size_t as, std::uint64_t aa, std::size_t bs,
@@ -241,6 +250,8 @@ class FreeIndex : public FreeIndexBase {
   T* Last() const { return static_cast<T*>(LastNode()); }
   // The in-order successor of `node`, or null. REQUIRES: Contains(node).
   static T* Next(const T* node) { return static_cast<T*>(NextNode(node)); }
+  // The in-order predecessor of `node`, or null. REQUIRES: Contains(node).
+  static T* Prev(const T* node) { return static_cast<T*>(PrevNode(node)); }
 };
 
 }  // namespace ctxpool

@@ -81,7 +81,8 @@ inline absl::Status CheckSegmentTiling(const Segment& seg) {
             "segment 0x%x: broken prev link after 0x%x", seg.base, b->address));
       }
       if (b->state == BlockState::kFree &&
-          b->next->state == BlockState::kFree) {
+          b->next->state == BlockState::kFree &&
+          b->unmapped == b->next->unmapped) {
         return absl::InternalError(absl::StrFormat(
             "segment 0x%x: adjacent free blocks at 0x%x and 0x%x not "
             "coalesced",

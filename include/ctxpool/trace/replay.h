@@ -58,6 +58,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -77,6 +78,11 @@ struct ReplayConfig {
   std::uint64_t capacity_bytes = 0;
   DeviceAllocatorOptions allocator;
   bool stop_at_first_oom = false;
+  // Replay the trace this many times on the same allocator. Allocations the
+  // trace leaves live are freed at the end of each pass but the last (those
+  // frees count as the pass's ops). ReplayResult::passes has each pass's
+  // driver calls; the other figures cover all passes.
+  int passes = 1;
   // Charge SimDriver's realistic cost table (UseRealisticCosts) and report
   // simulated latencies. Off: the simulated costs are all zero.
   bool cost_model = true;
@@ -166,6 +172,23 @@ struct ReplayResult {
   LatencyStats wall_free;
   std::int64_t simulated_time_ns = 0;  // all simulated driver time
   std::int64_t wall_time_ns = 0;       // the whole replay loop
+  // The backing the allocator used: "classic" or "expandable".
+  std::string backing;
+  // Every driver call the allocator made during the replay (SimDriver's
+  // counters, from the first event to the last; not the set-up of the
+  // context and streams), by the driver's name ("cuMemMap"), in name order,
+  // kinds with no call left out. Empty on a driver that does not count.
+  std::vector<std::pair<std::string, std::uint64_t>> driver_calls;
+  std::uint64_t driver_calls_total = 0;
+  // Their simulated time (the cost model; no context start-up).
+  std::int64_t simulated_driver_ns = 0;
+  struct Pass {
+    std::uint64_t ops = 0;
+    std::vector<std::pair<std::string, std::uint64_t>> driver_calls;
+    std::uint64_t driver_calls_total = 0;
+    std::int64_t simulated_driver_ns = 0;
+  };
+  std::vector<Pass> passes;  // config.passes of them (fewer after a stop)
 };
 
 // Replays on a fresh SimDriver built from config.device/capacity_bytes.
