@@ -176,9 +176,6 @@ TraceEvent TrimEvent() { return {.op = TraceOp::kTrim}; }
 TEST(Replay, MeasuresReservedMinusLiveAtTrimPoints) {
   // Stream 1 keeps 3 MiB live: in expandable mode the granules under it (the
   // second one half used) stay mapped, the freed 5 MiB is unmapped by Trim.
-  // The live block holds its two granules whole: the large pool leaves no
-  // remnant of 1 MiB or less (as classic mode does), so the allocator counts
-  // all 4 MiB as allocated and nothing else stays reserved.
   Trace t;
   t.Append(Alloc(1, 3 << 20, 1));
   t.Append(Alloc(2, 5 << 20, 1));
@@ -193,11 +190,11 @@ TEST(Replay, MeasuresReservedMinusLiveAtTrimPoints) {
   ASSERT_TRUE(r->worst_trim_point.has_value());
   EXPECT_EQ(*r->worst_trim_point, 3u);
   EXPECT_EQ(r->end_reserved_bytes, 4u << 20);
-  EXPECT_EQ(r->max_trim_residual_bytes, 0u);
-  EXPECT_DOUBLE_EQ(r->max_trim_residual_granules_per_stream, 0.0);
+  EXPECT_EQ(r->max_trim_residual_bytes, 1u << 20);
+  EXPECT_DOUBLE_EQ(r->max_trim_residual_granules_per_stream, 0.5);
   EXPECT_THAT(ReplayResultToText(*r), HasSubstr("trim points:      1;"));
   EXPECT_THAT(ReplayResultToJson(*r),
-              HasSubstr("\"max_trim_residual_bytes\": 0,"));
+              HasSubstr("\"max_trim_residual_bytes\": 1048576"));
 
   // Without replay_trims the kTrim event is skipped and nothing is measured.
   c.replay_trims = false;

@@ -1085,14 +1085,17 @@ class CachingDeviceAllocator::Impl {
     return b;
   }
 
-  // Allocates from free block `b` (splitting it when worthwhile).
-  DevicePtr TakeBlock(Block* b, std::size_t rounded, std::size_t requested)
+  // Allocates from free block `b` (splitting it when worthwhile, or
+  // whenever something remains with `split_any`).
+  DevicePtr TakeBlock(Block* b, std::size_t rounded, std::size_t requested,
+                      bool split_any = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Segment* seg = b->segment;
     StreamState* ss = Owner(seg);
     const bool small = seg->small;
     Unindex(b);
-    if (classes_.ShouldSplit(b->size, rounded, small)) {
+    if (split_any ? b->size > rounded
+                  : classes_.ShouldSplit(b->size, rounded, small)) {
       Index(SplitBlock(b, rounded, blocks_));
     }
     ++ss->ops;
@@ -2277,10 +2280,13 @@ class CachingDeviceAllocator::Impl {
   }
 
   // Where a request that no mapped free block serves goes: the run [lo, hi)
-  // (granule aligned) of unmapped free block `u` to map. Of the best-fit
-  // unmapped block and the largest one (the range's tail), each alone or
-  // extending the mapped free block just before or after it, the placement
-  // that maps the fewest new bytes wins. O(log n).
+  // (granule aligned) of unmapped free block `u` to map. A free hole is an
+  // unmapped block with, possibly, a mapped free block on either side (the
+  // partial granules a reclaim leaves); a placement maps the fewest new
+  // bytes that make one free block of at least `rounded`. Candidates: the
+  // range's tail (the largest unmapped block) and up to kProbes unmapped
+  // blocks from the smallest that could serve with both neighbours (4
+  // granules under the request) upward: O(log n + kProbes).
   struct Placement {
     Block* u = nullptr;
     std::uint64_t lo = 0;
@@ -2292,27 +2298,39 @@ class CachingDeviceAllocator::Impl {
   }
   Placement Place(StreamState* ss, std::size_t rounded, bool small) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    constexpr int kProbes = 16;
     const FreeIndex<Block>& index = ss->unmapped[PoolIndex(small)];
     const std::size_t whole = SizeClasses::RoundUp(rounded, granule_);
     Placement best;
-    auto consider = [&](Block* u) {
-      if (u == nullptr || u->size < whole) return;
-      if (best.u == nullptr || whole < best.bytes()) {
-        best = {u, u->address, u->address + whole};
-      }
-      if (MappedFree(u->prev) && u->prev->size < rounded) {
-        const std::size_t m =
-            SizeClasses::RoundUp(rounded - u->prev->size, granule_);
-        if (m < best.bytes()) best = {u, u->address, u->address + m};
-      }
-      if (MappedFree(u->next) && u->next->size < rounded) {
-        const std::size_t m =
-            SizeClasses::RoundUp(rounded - u->next->size, granule_);
-        if (m < best.bytes()) best = {u, u->end() - m, u->end()};
-      }
+    auto offer = [&](Block* u, std::uint64_t lo, std::uint64_t hi) {
+      if (best.u == nullptr || hi - lo < best.bytes()) best = {u, lo, hi};
     };
-    consider(index.LowerBound(whole));
-    consider(index.Last());
+    auto consider = [&](Block* u) {
+      const std::size_t p = MappedFree(u->prev) ? u->prev->size : 0;
+      const std::size_t n = MappedFree(u->next) ? u->next->size : 0;
+      if (p + u->size + n < rounded) return;
+      if (u->size >= whole) offer(u, u->address, u->address + whole);
+      if (p != 0) {  // extend the block before u
+        const std::size_t m = SizeClasses::RoundUp(rounded - p, granule_);
+        if (m <= u->size) offer(u, u->address, u->address + m);
+      }
+      if (n != 0) {  // extend the block after u
+        const std::size_t m = SizeClasses::RoundUp(rounded - n, granule_);
+        if (m <= u->size) offer(u, u->end() - m, u->end());
+      }
+      if (p != 0 && n != 0) offer(u, u->address, u->end());  // join both
+    };
+    const std::size_t from =
+        whole > 4 * granule_ ? whole - 4 * granule_ : granule_;
+    int probes = 0;
+    for (Block* u = index.LowerBound(from); u != nullptr && probes < kProbes;
+         u = FreeIndex<Block>::Next(u), ++probes) {
+      consider(u);
+      if (best.u != nullptr && best.bytes() <= u->size && u->size >= whole) {
+        break;  // larger blocks cannot map less
+      }
+    }
+    if (Block* tail = index.Last()) consider(tail);
     return best;
   }
   // The addresses a placement uses: its run and the mapped free neighbours
@@ -2380,7 +2398,9 @@ class CachingDeviceAllocator::Impl {
       return b.status();
     }
     NotePeak(ss->tenant);
-    return TakeBlock(*b, rounded, requested);
+    // The remnant of a fresh mapping is kept apart even when small: the next
+    // growth extends it (Place) instead of mapping a granule beside it.
+    return TakeBlock(*b, rounded, requested, /*split_any=*/true);
   }
 
   absl::StatusOr<DevicePtr> Traced(absl::StatusOr<DevicePtr> p,
