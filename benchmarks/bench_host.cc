@@ -111,7 +111,7 @@ absl::Status SetUpEnv() {
 
   env->sim_costed = SimDriver::Create();
   env->sim_costed->SetRaceDetection(false);
-  env->sim_costed->UseRealisticCosts();
+  CTXPOOL_RETURN_IF_ERROR(env->sim_costed->UseRealisticCosts());
   CTXPOOL_ASSIGN_OR_RETURN(env->costed_ctx,
                            env->sim_costed->PrimaryCtxRetain(0));
 

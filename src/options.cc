@@ -57,6 +57,10 @@ constexpr std::array<OptionSpec, kOptionCount> kOptions = {{
      "set_per_process_memory_fraction): growth beyond it first reclaims "
      "cached memory, then fails with RESOURCE_EXHAUSTED. 0: the device's "
      "capacity."},
+    {OptionId::kSimCosts, "sim_costs", "CTXPOOL_SIM_COSTS", OptionKind::kString,
+     "",
+     "A JSON cost table (scripts/gpu-check writes one from a GPU) that "
+     "SimDriver's realistic cost model loads over its built-in estimates."},
     {OptionId::kStreamPoolReserve, "stream_pool_reserve",
      "CTXPOOL_STREAM_POOL_RESERVE", OptionKind::kInt, "0",
      "Streams of each priority a device context creates up front; more are "

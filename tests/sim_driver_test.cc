@@ -534,7 +534,7 @@ TEST_F(SimDriverTest, CostModelAccumulates) {
   EXPECT_EQ(sim_->simulated_time_ns(), 1000 + 50 + 14);
   EXPECT_EQ(SimDriver::thread_simulated_time_ns() - thread_before,
             1000 + 50 + 14);
-  sim_->UseRealisticCosts();
+  ASSERT_TRUE(sim_->UseRealisticCosts().ok());
   const std::int64_t before = sim_->simulated_time_ns();
   DevicePtr big = *sim_->MemAlloc(100 * kMiB);
   EXPECT_EQ(sim_->simulated_time_ns() - before, 10'000 + 100 * 1000);

@@ -47,6 +47,7 @@ enum class OptionId : int {
   kSessionMaxBytes,    // CTXPOOL_SESSION_MAX_BYTES
   kMaxSplitBytes,      // CTXPOOL_MAX_SPLIT_BYTES
   kMemoryLimit,        // CTXPOOL_MEMORY_LIMIT
+  kSimCosts,           // CTXPOOL_SIM_COSTS
   kStreamPoolReserve,  // CTXPOOL_STREAM_POOL_RESERVE
   kVerbose,            // CTXPOOL_VERBOSE
   kCount,              // not an option

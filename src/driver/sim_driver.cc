@@ -36,6 +36,8 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "ctxpool/driver/internal/sim_race_detector.h"
+#include "ctxpool/driver/sim_costs.h"
+#include "ctxpool/options.h"
 
 namespace ctxpool {
 namespace {
@@ -1002,48 +1004,31 @@ void SimDriver::SetWorkCost(std::int64_t nanoseconds) {
   state_->work_cost = nanoseconds;
 }
 
-void SimDriver::UseRealisticCosts() {
-  struct Row {
-    SimCall call;
-    std::int64_t ns;
-    std::int64_t ns_per_mib;
-  };
-  static constexpr Row kRealistic[] = {
-      {SimCall::kMemAlloc, 10'000, 1'000},
-      {SimCall::kMemFree, 50'000, 0},
-      {SimCall::kMemCreate, 20'000, 0},
-      {SimCall::kMemRelease, 10'000, 0},
-      {SimCall::kMemMap, 5'000, 0},
-      {SimCall::kMemUnmap, 10'000, 0},
-      {SimCall::kMemSetAccess, 5'000, 0},
-      {SimCall::kMemAddressReserve, 2'000, 0},
-      {SimCall::kMemAddressFree, 2'000, 0},
-      {SimCall::kMemHostAlloc, 5'000, 977},  // ~1 ms per GiB
-      {SimCall::kMemFreeHost, 20'000, 0},
-      {SimCall::kMemHostRegister, 5'000, 500},
-      {SimCall::kMemHostUnregister, 5'000, 0},
-      {SimCall::kStreamCreate, 5'000, 0},
-      {SimCall::kStreamDestroy, 5'000, 0},
-      {SimCall::kEventCreate, 1'000, 0},
-      {SimCall::kEventDestroy, 1'000, 0},
-      {SimCall::kEventRecord, 2'000, 0},
-      {SimCall::kEventQuery, 500, 0},
-      {SimCall::kStreamWaitEvent, 1'000, 0},
-      {SimCall::kStreamQuery, 500, 0},
-      {SimCall::kLaunchHostFunc, 3'000, 0},
-      {SimCall::kPrimaryCtxRetain, 1'000, 0},
-      {SimCall::kCtxCreate, 1'000, 0},
-      {SimCall::kMemsetAsync, 3'000, 0},
-      {SimCall::kMemcpyAsync, 3'000, 0},
-  };
+absl::Status SimDriver::UseRealisticCosts() {
+  SimCostTable table = RealisticSimCosts();
+  absl::Status status;
+  const std::string path = GetOption(OptionId::kSimCosts);
+  if (!path.empty()) {
+    absl::StatusOr<SimCostTable> loaded = LoadSimCostTable(path, table);
+    if (loaded.ok()) {
+      table = *loaded;
+    } else {
+      status = loaded.status();
+    }
+  }
+  SetCostTable(table);
+  return status;
+}
+
+void SimDriver::SetCostTable(const SimCostTable& table) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
-  for (const Row& row : kRealistic) {
-    s.costs[static_cast<int>(row.call)] = row.ns;
-    s.costs_per_mib[static_cast<int>(row.call)] = row.ns_per_mib;
+  for (int i = 0; i < kSimCallCount; ++i) {
+    s.costs[i] = table.calls[i].ns;
+    s.costs_per_mib[i] = table.calls[i].ns_per_mib;
   }
-  s.work_cost = 5'000;
-  s.context_create_cost = 100'000'000;  // creating a context: ~100 ms
+  s.work_cost = table.work_ns;
+  s.context_create_cost = table.context_create_ns;
 }
 
 std::int64_t SimDriver::simulated_time_ns() const {
@@ -1789,8 +1774,9 @@ absl::StatusOr<PhysicalMemHandle> SimDriver::MemCreate(std::size_t bytes,
 absl::Status SimDriver::MemRelease(PhysicalMemHandle handle) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
-  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemRelease));
   auto it = s.physical.find(handle.value());
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(
+      SimCall::kMemRelease, it == s.physical.end() ? 0 : it->second.bytes));
   if (it == s.physical.end() || it->second.released) {
     return s.Misuse("cuMemRelease", cu::kErrorInvalidValue,
                     absl::StrFormat("0x%x is not a live physical allocation "
@@ -1810,7 +1796,7 @@ absl::Status SimDriver::MemMap(DevicePtr ptr, std::size_t bytes,
                                std::size_t offset, PhysicalMemHandle handle) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
-  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemMap));
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemMap, bytes));
   auto phys = s.physical.find(handle.value());
   if (phys == s.physical.end() || phys->second.released) {
     return s.Misuse("cuMemMap", cu::kErrorInvalidValue,
@@ -1866,7 +1852,7 @@ absl::Status SimDriver::MemMap(DevicePtr ptr, std::size_t bytes,
 absl::Status SimDriver::MemUnmap(DevicePtr ptr, std::size_t bytes) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
-  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemUnmap));
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemUnmap, bytes));
   const std::uint64_t lo = ptr.address();
   const std::uint64_t hi = lo + bytes;
   // [lo, hi) must be exactly a run of whole, adjacent mappings.
@@ -1910,7 +1896,7 @@ absl::Status SimDriver::MemSetAccess(DevicePtr ptr, std::size_t bytes,
                                      int device) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
-  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemSetAccess));
+  CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemSetAccess, bytes));
   CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuMemSetAccess", device));
   const std::uint64_t lo = ptr.address();
   const std::uint64_t hi = lo + bytes;

@@ -193,7 +193,7 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
   if (sim_ != nullptr) {
     result_.context_overhead_bytes =
         sim_->device_spec(device_).context_overhead_bytes;
-    if (sim_costs) sim_->UseRealisticCosts();
+    if (sim_costs) CTXPOOL_RETURN_IF_ERROR(sim_->UseRealisticCosts());
     sim_time_before = sim_->simulated_time_ns();
   }
   CTXPOOL_RETURN_IF_ERROR(Setup());

@@ -187,6 +187,8 @@ struct SimRace {
   std::string description;  // human readable, names both accesses
 };
 
+struct SimCostTable;  // sim_costs.h
+
 class SimDriver final : public Driver {
  public:
   static std::unique_ptr<SimDriver> Create(SimOptions options = {});
@@ -250,10 +252,17 @@ class SimDriver final : public Driver {
   void SetCost(SimCall call, std::int64_t nanoseconds);
   // Cost of each Touch/memset/copy operation on a stream.
   void SetWorkCost(std::int64_t nanoseconds);
-  // A documented realistic table (cuMemAlloc ~ 10 us + 1 us/MiB, cuMemFree
-  // ~ 50 us incl. device sync, cuMemCreate ~ 20 us, cuMemMap ~ 5 us,
-  // cuMemUnmap ~ 10 us, cuMemHostAlloc ~ 1 ms/GiB, event record ~ 2 us).
-  void UseRealisticCosts();
+  // The realistic table (RealisticSimCosts in sim_costs.h: cuMemAlloc
+  // 10 us + 1 us/MiB, cuMemFree 50 us incl. device sync, cuMemCreate 6 us +
+  // 0.75 us/MiB, cuMemMap 2 us, cuMemSetAccess 4 us + 0.25 us/MiB,
+  // cuMemUnmap 10 us + 0.25 us/MiB, cuMemHostAlloc ~ 1 ms/GiB, event record
+  // 2 us), then, when CTXPOOL_SIM_COSTS names a file, the rows of that JSON
+  // cost table over it (a table scripts/gpu-check measured). The error of a
+  // file that cannot be read or parsed is returned; the built-in table
+  // stays in force then.
+  absl::Status UseRealisticCosts();
+  // Replaces every cost with `table`'s.
+  void SetCostTable(const SimCostTable& table);
   // Simulated nanoseconds spent so far in driver calls (all threads).
   std::int64_t simulated_time_ns() const;
   // Simulated nanoseconds spent by calls made on the calling thread; a replay
