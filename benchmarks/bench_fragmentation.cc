@@ -31,14 +31,16 @@
 //                            max over the trim points of residual /
 //                            (2 MiB x active streams); 0 at a point with no
 //                            active stream (target, expandable: <= 1)
-//   physical_allocs_first_pass
-//                            driver calls that create physical memory
-//                            (SimDriver cuMemAlloc + cuMemCreate; CUB's
-//                            cudaMalloc is a cuMemAlloc through the shim)
-//                            during the whole replay (absolute count)
-//   physical_allocs_per_1k_ops_warm
-//                            the same during a second pass of the trace,
-//                            per 1000 of that pass's alloc/free events. A
+//   driver_calls_per_1k_ops_cold
+//                            every SimDriver call of any kind (cuMemAlloc,
+//                            cuMemCreate, cuMemMap, cuMemSetAccess,
+//                            cuMemUnmap, events, ...; CUB's runtime calls
+//                            reach SimDriver through the shim) during the
+//                            first pass, per 1000 of its alloc/free events
+//   sim_driver_ms_cold       their simulated time (SimDriver's realistic
+//                            cost table, CTXPOOL_SIM_COSTS to replace it)
+//   driver_calls_per_1k_ops_warm, sim_driver_ms_warm
+//                            the same during a second pass of the trace. A
 //                            separate replay (WarmPass) runs the trace twice
 //                            on one allocator and one simulated 80 GiB
 //                            device with the same streams; what the first
@@ -182,21 +184,29 @@ struct ReplayFigures {
   std::uint64_t trim_residual = 0;
   double trim_residual_granules_per_stream = 0;
   int trim_points = 0;
-  // cuMemAlloc + cuMemCreate calls during the pass, and its alloc/free events.
-  std::uint64_t physical_allocs = 0;
+  // Driver calls of every kind during the pass, their simulated time, and
+  // the pass's alloc/free events.
+  std::uint64_t driver_calls = 0;
+  std::int64_t sim_driver_ns = 0;
   std::uint64_t ops = 0;
   std::int64_t ooms = 0;
 
-  double PhysicalAllocsPer1kOps() const {
+  double DriverCallsPer1kOps() const {
     return ops == 0 ? 0.0
-                    : 1000.0 * static_cast<double>(physical_allocs) /
+                    : 1000.0 * static_cast<double>(driver_calls) /
                           static_cast<double>(ops);
+  }
+  double SimDriverMs() const {
+    return static_cast<double>(sim_driver_ns) / 1e6;
   }
 };
 
-std::uint64_t PhysicalAllocs(const SimDriver& sim) {
-  return sim.call_count(SimCall::kMemAlloc) +
-         sim.call_count(SimCall::kMemCreate);
+std::uint64_t DriverCalls(const SimDriver& sim) {
+  std::uint64_t n = 0;
+  for (int c = 0; c < kSimCallCount; ++c) {
+    n += sim.call_count(static_cast<SimCall>(c));
+  }
+  return n;
 }
 
 // Replays `trace` `passes` times, one pass after the other, on one allocator
@@ -217,6 +227,7 @@ absl::StatusOr<std::vector<ReplayFigures>> ReplayPasses(Impl impl,
   spec.capacity_bytes = capacity;
   std::unique_ptr<SimDriver> sim = SimDriver::Create({.devices = {spec}});
   sim->SetRaceDetection(false);
+  CTXPOOL_RETURN_IF_ERROR(sim->UseRealisticCosts());
   CTXPOOL_ASSIGN_OR_RETURN(ContextHandle ctx, sim->PrimaryCtxRetain(0));
   CTXPOOL_RETURN_IF_ERROR(sim->CtxPushCurrent(ctx));
   std::vector<ReplayFigures> figures;
@@ -288,7 +299,8 @@ absl::StatusOr<std::vector<ReplayFigures>> ReplayPasses(Impl impl,
         ++f.trim_points;
         return absl::OkStatus();
       };
-      const std::uint64_t physical_start = PhysicalAllocs(*sim);
+      const std::uint64_t calls_start = DriverCalls(*sim);
+      const std::int64_t ns_start = sim->simulated_time_ns();
       for (const TraceEvent& e : trace.events()) {
         if (!status.ok()) break;
         if (e.op == TraceOp::kAlloc || e.op == TraceOp::kFree) ++f.ops;
@@ -324,7 +336,8 @@ absl::StatusOr<std::vector<ReplayFigures>> ReplayPasses(Impl impl,
         }
       }
       if (status.ok()) {
-        f.physical_allocs = PhysicalAllocs(*sim) - physical_start;
+        f.driver_calls = DriverCalls(*sim) - calls_start;
+        f.sim_driver_ns = sim->simulated_time_ns() - ns_start;
         f.end_live = live_bytes;
         if (pass + 1 == passes) status = trim_point();
       }
@@ -519,10 +532,11 @@ void BM_Fragmentation(benchmark::State& state, Impl impl,
         static_cast<double>(f.trim_residual);
     state.counters["trim_residual_granules_per_stream"] =
         f.trim_residual_granules_per_stream;
-    state.counters["physical_allocs_first_pass"] =
-        static_cast<double>(f.physical_allocs);
-    state.counters["physical_allocs_per_1k_ops_warm"] =
-        row.warm.PhysicalAllocsPer1kOps();
+    state.counters["driver_calls_per_1k_ops_cold"] = f.DriverCallsPer1kOps();
+    state.counters["sim_driver_ms_cold"] = f.SimDriverMs();
+    state.counters["driver_calls_per_1k_ops_warm"] =
+        row.warm.DriverCallsPer1kOps();
+    state.counters["sim_driver_ms_warm"] = row.warm.SimDriverMs();
     state.counters["ooms"] = static_cast<double>(f.ooms);
     if (!g_quick) {
       absl::StatusOr<std::uint64_t> frontier =
@@ -559,12 +573,13 @@ void PrintTable() {
   std::printf(
       "\nFragmentation: peak reserved / peak live; after trimming at the trim "
       "points (max):\nreserved - live and that in 2 MiB granules per active "
-      "stream; physical allocations\n(cuMemAlloc + cuMemCreate) in the first "
-      "pass and per 1000 ops in a second pass\nof the trace on the same "
-      "allocator (warm); OOM frontier. Sizes in GiB.\n");
-  std::printf("%-38s %-11s %9s %9s %8s %10s %8s %8s %8s %9s %8s\n", "workload",
-              "impl", "peak live", "peak res", "res/live", "trim resid",
-              "gran/str", "phys 1st", "warm/1k", "frontier", "fit 24GB");
+      "stream; driver calls of\nevery kind per 1000 ops and their simulated "
+      "time (ms) in the first pass (cold) and\nin a second pass of the trace "
+      "on the same allocator (warm); OOM frontier.\nSizes in GiB.\n");
+  std::printf("%-38s %-11s %9s %9s %8s %10s %8s %9s %9s %9s %9s %9s %8s\n",
+              "workload", "impl", "peak live", "peak res", "res/live",
+              "trim resid", "gran/str", "calls/1k", "drv ms", "warm/1k",
+              "warm ms", "frontier", "fit 24GB");
   std::string last;
   for (const auto& [key, row] : Rows()) {
     const std::string& w = key.first;
@@ -574,18 +589,19 @@ void PrintTable() {
                   row.unsupported ? "unsupported" : "error");
     } else {
       const ReplayFigures& f = row.figures;
-      std::printf("%-38s %-11s %9s %9s %8.3f %10s %8.3f %8llu %8.2f %9s %8s\n",
-                  w == last ? "" : w.c_str(), impl, Gib(f.peak_live).c_str(),
-                  Gib(f.peak_reserved).c_str(),
-                  f.peak_live ? static_cast<double>(f.peak_reserved) /
-                                    static_cast<double>(f.peak_live)
-                              : 0.0,
-                  Gib(f.trim_residual).c_str(),
-                  f.trim_residual_granules_per_stream,
-                  static_cast<unsigned long long>(f.physical_allocs),
-                  row.warm.PhysicalAllocsPer1kOps(),
-                  row.frontier ? Gib(*row.frontier).c_str() : "-",
-                  row.models_fit ? absl::StrCat(*row.models_fit).c_str() : "-");
+      std::printf(
+          "%-38s %-11s %9s %9s %8.3f %10s %8.3f %9.2f %9.2f %9.2f %9.2f %9s "
+          "%8s\n",
+          w == last ? "" : w.c_str(), impl, Gib(f.peak_live).c_str(),
+          Gib(f.peak_reserved).c_str(),
+          f.peak_live ? static_cast<double>(f.peak_reserved) /
+                            static_cast<double>(f.peak_live)
+                      : 0.0,
+          Gib(f.trim_residual).c_str(), f.trim_residual_granules_per_stream,
+          f.DriverCallsPer1kOps(), f.SimDriverMs(),
+          row.warm.DriverCallsPer1kOps(), row.warm.SimDriverMs(),
+          row.frontier ? Gib(*row.frontier).c_str() : "-",
+          row.models_fit ? absl::StrCat(*row.models_fit).c_str() : "-");
     }
     last = w;
   }
