@@ -397,6 +397,63 @@ TEST_F(VmmTest, DeviceLimitCompactsInsteadOfFailing) {
   for (const auto& [p, s] : mix.live()) free(p);
 }
 
+// A 1 GiB tensor on a cold allocator: 18 physical allocations (a single
+// granule at each end, 64 MiB chunks between), one cuMemMap per granule
+// (each moves on its own under pressure) and one cuMemSetAccess.
+TEST_F(VmmTest, ColdLargeTensorComesInChunks) {
+  Init({}, 8 * kGiB);
+  DevicePtr p = Alloc(1 * kGiB, a1_);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 1u + 16u + 1u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 512u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemSetAccess), 1u);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  Free(p);
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 18u);
+  EXPECT_EQ(sim_->used_bytes(0), sim_->context_bytes(0));
+}
+
+// vmm_map_whole_chunks maps each physical allocation with one cuMemMap.
+TEST_F(VmmTest, WholeChunkMappingMapsEachChunkOnce) {
+  DeviceAllocatorOptions o;
+  o.vmm_map_whole_chunks = true;
+  Init(o, 8 * kGiB);
+  DevicePtr p = Alloc(1 * kGiB, a1_);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 18u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 18u);
+  Free(p);
+  // Trim unmaps whole mappings only, and releases all of them.
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemUnmap), 18u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 18u);
+  EXPECT_EQ(Reserved(), 0u);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+}
+
+// A physical allocation is freed only whole: a live block on part of a
+// chunk keeps the chunk's cached rest until it is freed too; reusing that
+// rest needs no new memory.
+TEST_F(VmmTest, TrimReleasesChunksOnlyWhenWhollyUnmapped) {
+  Init({}, 8 * kGiB);
+  Free(Alloc(1 * kGiB, a1_));
+  DevicePtr small = Alloc(10 * kMiB, a1_);  // lands at the chunks' start
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  const std::size_t cached = alloc_->Stats().granule_cache_bytes;
+  EXPECT_GT(cached, 0u);
+  EXPECT_LE(cached, 64 * kMiB);  // at most one chunk's rest
+  const std::uint64_t creates = sim_->call_count(SimCall::kMemCreate);
+  DevicePtr again = Alloc(cached, a2_);  // the cached rest, mapped again
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), creates);
+  Free(again);
+  Free(small);
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 0u);
+  EXPECT_EQ(Reserved(), 0u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease),
+            sim_->call_count(SimCall::kMemCreate));
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+}
+
 TEST_F(VmmTest, DriverFailuresLeaveTheBooksConsistent) {
   sim_->InjectFault(SimCall::kMemMap, 1, /*CUDA_ERROR_INVALID_VALUE=*/1);
   absl::StatusOr<DevicePtr> p = alloc_->Allocate(4 * kMiB, a1_);

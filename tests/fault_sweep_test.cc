@@ -124,9 +124,15 @@ absl::Status CheckDeviceBooks(const CachingDeviceAllocator& a, SimDriver& sim,
 
 class DeviceSubject : public Subject {
  public:
-  explicit DeviceSubject(BackingMode backing) : Subject(256 * kMiB) {
+  // chunk_bytes != 0: expandable with physical allocations of that size
+  // (mapped whole with `whole_chunks`).
+  explicit DeviceSubject(BackingMode backing, std::size_t chunk_bytes = 0,
+                         bool whole_chunks = false)
+      : Subject(256 * kMiB) {
     DeviceAllocatorOptions o;
     o.backing = backing;
+    if (chunk_bytes != 0) o.vmm_chunk_bytes = chunk_bytes;
+    o.vmm_map_whole_chunks = whole_chunks;
     alloc_ = *CachingDeviceAllocator::Create(*sim_, 0, o);
     CreateStreams();
     auto alloc = [this](std::size_t n, StreamHandle s) {
@@ -358,7 +364,15 @@ class SessionSubject : public Subject {
   DevicePtr pa_, pb_;
 };
 
-enum class Kind { kDeviceClassic, kDeviceExpandable, kHost, kSlab, kSession };
+enum class Kind {
+  kDeviceClassic,
+  kDeviceExpandable,
+  kDeviceChunks,       // expandable, 8 MiB physical allocations
+  kDeviceWholeChunks,  // ... each mapped with one cuMemMap
+  kHost,
+  kSlab,
+  kSession
+};
 
 std::string KindName(const ::testing::TestParamInfo<Kind>& info) {
   switch (info.param) {
@@ -366,6 +380,10 @@ std::string KindName(const ::testing::TestParamInfo<Kind>& info) {
       return "DeviceClassic";
     case Kind::kDeviceExpandable:
       return "DeviceExpandable";
+    case Kind::kDeviceChunks:
+      return "DeviceChunks";
+    case Kind::kDeviceWholeChunks:
+      return "DeviceWholeChunks";
     case Kind::kHost:
       return "Host";
     case Kind::kSlab:
@@ -382,6 +400,12 @@ std::unique_ptr<Subject> Make(Kind kind) {
       return std::make_unique<DeviceSubject>(BackingMode::kClassic);
     case Kind::kDeviceExpandable:
       return std::make_unique<DeviceSubject>(BackingMode::kExpandable);
+    case Kind::kDeviceChunks:
+      return std::make_unique<DeviceSubject>(BackingMode::kExpandable,
+                                             8 * kMiB);
+    case Kind::kDeviceWholeChunks:
+      return std::make_unique<DeviceSubject>(BackingMode::kExpandable, 8 * kMiB,
+                                             /*whole_chunks=*/true);
     case Kind::kHost:
       return std::make_unique<HostSubject>();
     case Kind::kSlab:
@@ -515,11 +539,12 @@ TEST_P(FaultSweepTest, EveryCallKindEveryStep) {
               calls.size(), steps);
 }
 
-INSTANTIATE_TEST_SUITE_P(Allocators, FaultSweepTest,
-                         ::testing::Values(Kind::kDeviceClassic,
-                                           Kind::kDeviceExpandable, Kind::kHost,
-                                           Kind::kSlab, Kind::kSession),
-                         KindName);
+INSTANTIATE_TEST_SUITE_P(
+    Allocators, FaultSweepTest,
+    ::testing::Values(Kind::kDeviceClassic, Kind::kDeviceExpandable,
+                      Kind::kDeviceChunks, Kind::kDeviceWholeChunks,
+                      Kind::kHost, Kind::kSlab, Kind::kSession),
+    KindName);
 
 }  // namespace
 }  // namespace ctxpool

@@ -39,6 +39,10 @@
 //       every block but the unmapped ones lies on mapped granules;
 //   I10 no expandable segment is in whole_free_, and inactive_split counts
 //       nothing (the unmapped tail is not cached memory);
+//   I12 every physical allocation (phys_) is mapped granules + cached
+//       pieces + leaked granules (dropped while mapped by a forced Reset):
+//       sum(granules) == mapped + cached + leaked, sum(mapped) × granule ==
+//       reserved, and each cached piece lies inside its allocation;
 //   I11 an unmapped block is free, granule aligned, has no mapped granule,
 //       and sits in its stream's `unmapped` index (the mapped free blocks in
 //       `free`); I1's coalescing is per kind: a mapped and an unmapped free
@@ -65,6 +69,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/attributes.h"
 #include "absl/base/optimization.h"
 #include "absl/base/thread_annotations.h"
 #include "absl/container/btree_map.h"
@@ -159,8 +164,10 @@ struct DeviceSegment : Segment {
 struct VmmRange {
   static constexpr std::size_t kChunk = 64;
   struct Chunk {
-    std::uint64_t bits = 0;  // bit k: granule chunk * 64 + k is mapped
+    std::uint64_t bits = 0;    // bit k: granule chunk * 64 + k is mapped
+    std::uint64_t starts = 0;  // bit k: ... and starts a mapping (a piece)
     std::array<PhysicalMemHandle, kChunk> handles;
+    std::array<std::uint32_t, kChunk> offsets = {};  // granule in the handle
   };
 
   std::uint64_t base = 0;
@@ -172,11 +179,31 @@ struct VmmRange {
     const Chunk* c = Find(i / kChunk);
     return c != nullptr && ((c->bits >> (i % kChunk)) & 1) != 0;
   }
-  void Set(std::size_t i, PhysicalMemHandle h) {
+  // Granule i maps granule `offset` of `h`; `start`: it begins a mapping.
+  void Set(std::size_t i, PhysicalMemHandle h, std::uint32_t offset,
+           bool start) {
     std::unique_ptr<Chunk>& c = chunks[i / kChunk];
     if (c == nullptr) c = std::make_unique<Chunk>();
-    c->bits |= std::uint64_t{1} << (i % kChunk);
+    const std::uint64_t bit = std::uint64_t{1} << (i % kChunk);
+    c->bits |= bit;
+    if (start) c->starts |= bit;
     c->handles[i % kChunk] = h;
+    c->offsets[i % kChunk] = offset;
+  }
+  bool IsStart(std::size_t i) const {
+    const Chunk* c = Find(i / kChunk);
+    return c != nullptr && ((c->starts >> (i % kChunk)) & 1) != 0;
+  }
+  std::uint32_t Offset(std::size_t i) const {
+    const Chunk* c = Find(i / kChunk);
+    return c == nullptr ? 0 : c->offsets[i % kChunk];
+  }
+  // The end of the mapping that starts at granule i: the next start or
+  // unmapped granule, at most `limit`.
+  std::size_t PieceEnd(std::size_t i, std::size_t limit) const {
+    std::size_t j = i + 1;
+    while (j < limit && IsMapped(j) && !IsStart(j)) ++j;
+    return j;
   }
   // Removes granule i's entry and returns its handle (null if unmapped).
   PhysicalMemHandle Take(std::size_t i) {
@@ -187,7 +214,9 @@ struct VmmRange {
     if ((c.bits & bit) == 0) return PhysicalMemHandle();
     const PhysicalMemHandle h = c.handles[i % kChunk];
     c.bits &= ~bit;
+    c.starts &= ~bit;
     c.handles[i % kChunk] = PhysicalMemHandle();
+    c.offsets[i % kChunk] = 0;
     if (c.bits == 0) {
       if (hint_ == it->second.get()) hint_ = nullptr;
       chunks.erase(it);
@@ -262,10 +291,24 @@ struct VmmRange {
   mutable Chunk* hint_ = nullptr;
 };
 
-// A physical granule not mapped anywhere, kept for reuse.
+// Expandable mode: granules [offset, offset + count) of physical
+// allocation `handle`, mapped nowhere, kept for reuse (mapped anywhere as
+// one cuMemMap with that offset, whole or in part).
 struct CachedGranule {
   PhysicalMemHandle handle;
+  std::uint32_t offset = 0;
+  std::uint32_t count = 1;
   absl::Time since;
+};
+
+// Expandable mode: one cuMemCreate of `granules` granules. Its granules are
+// mapped (in pieces, each its own cuMemMap) or in the cache; the driver
+// frees it only when none is mapped and it is released, so Trim releases it
+// whole once all of it is cached.
+struct PhysChunk {
+  std::uint32_t granules = 0;
+  std::uint32_t mapped = 0;
+  std::uint32_t leaked = 0;  // dropped from the books while mapped
 };
 
 struct Tenant {
@@ -399,19 +442,23 @@ class CachingDeviceAllocator::Impl {
           if (ss->retired) PutEvent(ss->retire_event);
         }
         for (EventHandle e : event_pool_) driver_.EventDestroy(e).IgnoreError();
-        // Each cached granule is released once; one the driver refuses is
-        // leaked (the driver frees it when the process exits).
-        for (const CachedGranule& g : granule_cache_) {
-          if (driver_.MemRelease(g.handle).ok()) {
+        // Each physical allocation is released once; one the driver refuses
+        // is leaked (the driver frees it when the process exits). Granules
+        // still mapped (their unmap failed) were counted by Reset.
+        for (const auto& [handle, chunk] : phys_) {
+          if (driver_.MemRelease(PhysicalMemHandle(handle)).ok()) {
             ++upstream_frees_;
           } else {
-            leaked_bytes_ += granule_;
+            leaked_bytes_ +=
+                (chunk.granules - chunk.mapped - chunk.leaked) * granule_;
           }
         }
       } else {
         leaked_bytes_ += CacheBytes();
       }
       granule_cache_.clear();
+      cache_granules_ = 0;
+      phys_.clear();
       event_pool_.clear();
     }
     if (owns_ctx_) driver_.PrimaryCtxRelease(device_).IgnoreError();
@@ -1041,7 +1088,8 @@ class CachingDeviceAllocator::Impl {
 
   // Links a free block into its owner's index (and a wholly free segment into
   // whole_free_), keeping inactive_split current.
-  void Index(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  ABSL_ATTRIBUTE_ALWAYS_INLINE void Index(Block* b)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Segment* seg = b->segment;
     StreamState* ss = Owner(seg);
     if (ABSL_PREDICT_FALSE(b->unmapped)) {
@@ -1060,7 +1108,8 @@ class CachingDeviceAllocator::Impl {
     }
   }
 
-  void Unindex(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  ABSL_ATTRIBUTE_ALWAYS_INLINE void Unindex(Block* b)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Segment* seg = b->segment;
     StreamState* ss = Owner(seg);
     if (ABSL_PREDICT_FALSE(b->unmapped)) {
@@ -1141,7 +1190,8 @@ class CachingDeviceAllocator::Impl {
 
   // Merges unindexed free block `b` with its free neighbours of the same
   // kind (mapped or not) and returns the result, still unindexed.
-  Block* Coalesce(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  ABSL_ATTRIBUTE_ALWAYS_INLINE Block* Coalesce(Block* b)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (b->prev != nullptr && b->prev->state == BlockState::kFree &&
         b->prev->unmapped == b->unmapped) {
       Block* prev = b->prev;
@@ -1480,15 +1530,15 @@ class CachingDeviceAllocator::Impl {
       // Unmap every granule (to the cache), then give the range back.
       VmmRange* r = RangeOf(seg);
       if (free_memory) {
-        std::vector<std::size_t> mapped;
-        mapped.reserve(r->mapped / granule_);
+        std::vector<std::size_t> starts;
         r->ForEachMapped(0, r->size / granule_,
-                         [&mapped](std::size_t i, PhysicalMemHandle) {
-                           mapped.push_back(i);
+                         [&](std::size_t i, PhysicalMemHandle) {
+                           if (r->IsStart(i)) starts.push_back(i);
                            return true;
                          });
-        for (std::size_t i : mapped) {
-          absl::Status u = UnmapGranule(seg, i);
+        for (std::size_t i : starts) {
+          std::size_t n = 0;
+          absl::Status u = UnmapPiece(seg, i, &n);
           if (!u.ok() && s.ok()) s = u;
         }
         // The granules unmapped so far are in the cache; the rest stay
@@ -1506,6 +1556,14 @@ class CachingDeviceAllocator::Impl {
         }
       }
       // Whatever could not be unmapped is dropped from the books: leaked.
+      r->ForEachMapped(0, r->size / granule_,
+                       [&](std::size_t, PhysicalMemHandle h)
+                           ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                             PhysChunk& c = phys_[h.value()];
+                             --c.mapped;
+                             ++c.leaked;
+                             return true;
+                           });
       leaked_bytes_ += r->mapped;
       Bump(ss, &PoolStats::reserved_bytes, small,
            -static_cast<std::int64_t>(r->mapped));
@@ -1829,7 +1887,7 @@ class CachingDeviceAllocator::Impl {
     return options_.clock ? options_.clock() : absl::Now();
   }
   std::size_t CacheBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return granule_cache_.size() * granule_;
+    return cache_granules_ * granule_;
   }
   // The bytes of [address, address + bytes) that lie on mapped granules.
   std::size_t MappedBytes(const Segment* seg, std::uint64_t address,
@@ -1903,35 +1961,67 @@ class CachingDeviceAllocator::Impl {
     return Reserved() + CacheBytes() + in_hand * granule_;
   }
 
-  // Appends `n` granules' physical handles to *handles: cached ones first
-  // (most recently unmapped), then cuMemCreate. Growth past
-  // options_.memory_limit_bytes fails as the driver's out-of-memory would.
-  // On failure *handles keeps what it got (the caller returns it to the
-  // cache).
-  absl::Status AcquireGranules(
-      std::size_t n, absl::InlinedVector<PhysicalMemHandle, 16>* handles)
+  // Puts a piece into the granule cache (most recent last).
+  void CachePiece(const CachedGranule& piece)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    while (handles->size() < n && !granule_cache_.empty()) {
-      handles->push_back(granule_cache_.back().handle);
+    granule_cache_.push_back(piece);
+    cache_granules_ += piece.count;
+  }
+
+  // Appends pieces covering `n` granules (in address order) to *pieces:
+  // cached ones first (most recently unmapped; the last one split if it is
+  // larger than what is left), then new physical allocations, one granule
+  // each, except that a large-pool rest of at least
+  // options_.vmm_chunk_bytes plus two granules gets chunks of up to that
+  // size in its interior (one cuMemCreate and one cuMemMap each); its first
+  // and last granules, which neighbouring blocks may share, stay single. Growth
+  // past options_.memory_limit_bytes fails as the driver's out-of-memory would.
+  // On failure *pieces keeps what it got (the caller returns it to the
+  // cache).
+  absl::Status AcquirePieces(std::size_t n, bool small,
+                             absl::InlinedVector<CachedGranule, 8>* pieces)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::size_t got = 0;
+    while (got < n && !granule_cache_.empty()) {
+      CachedGranule p = granule_cache_.back();
       granule_cache_.pop_back();
+      cache_granules_ -= p.count;
+      if (p.count > n - got) {  // keep the rest cached
+        const auto use = static_cast<std::uint32_t>(n - got);
+        CachePiece({p.handle, p.offset + use, p.count - use, p.since});
+        p.count = use;
+      }
+      got += p.count;
+      pieces->push_back(p);
     }
-    const std::size_t create = n - handles->size();
-    if (create == 0) return absl::OkStatus();
+    if (got == n) return absl::OkStatus();
     const std::size_t limit = options_.memory_limit_bytes;
-    if (limit != 0 &&
-        PhysicalBytes(handles->size()) + create * granule_ > limit) {
+    if (limit != 0 && PhysicalBytes(got) + (n - got) * granule_ > limit) {
       return DriverError(
           cu::kErrorOutOfMemory, "cuMemCreate",
           absl::StrFormat("memory_limit_bytes (%d) reached: the allocator "
                           "holds %d bytes and needs %d more",
-                          limit, PhysicalBytes(handles->size()),
-                          create * granule_));
+                          limit, PhysicalBytes(got), (n - got) * granule_));
     }
-    for (std::size_t k = 0; k < create; ++k) {
+    const std::size_t chunk =
+        small ? 1
+              : std::max<std::size_t>(1, options_.vmm_chunk_bytes / granule_);
+    std::size_t chunked_lo = n, chunked_hi = n;  // created in chunks
+    if (chunk > 1 && n - got >= chunk + 2) {
+      chunked_lo = got + 1;
+      chunked_hi = n - 1;
+    }
+    while (got < n) {
+      const auto count =
+          static_cast<std::uint32_t>(got >= chunked_lo && got < chunked_hi
+                                         ? std::min(chunk, chunked_hi - got)
+                                         : 1);
       CTXPOOL_ASSIGN_OR_RETURN(PhysicalMemHandle h,
-                               driver_.MemCreate(granule_, device_));
+                               driver_.MemCreate(count * granule_, device_));
       ++upstream_allocs_;
-      handles->push_back(h);
+      phys_[h.value()] = PhysChunk{count, 0};
+      pieces->push_back({h, 0, count, Now()});
+      got += count;
     }
     return absl::OkStatus();
   }
@@ -1949,49 +2039,70 @@ class CachingDeviceAllocator::Impl {
     VmmRange* r = RangeOf(seg);
     const std::size_t n = (hi - lo) / granule_;
     const std::size_t i0 = (lo - r->base) / granule_;
-    absl::InlinedVector<PhysicalMemHandle, 16> handles;
-    absl::Status s = AcquireGranules(n, &handles);
+    absl::InlinedVector<CachedGranule, 8> pieces;
+    absl::Status s = AcquirePieces(n, seg->small, &pieces);
     if (!s.ok()) {
-      for (PhysicalMemHandle h : handles) granule_cache_.push_back({h, Now()});
+      for (const CachedGranule& p : pieces) CachePiece(p);
       return s;
     }
-    std::size_t done = 0;
-    for (; done < n; ++done) {
-      s = driver_.MemMap(DevicePtr(lo + done * granule_), granule_, 0,
-                         handles[done]);
+    if (!options_.vmm_map_whole_chunks) {  // one mapping per granule
+      absl::InlinedVector<CachedGranule, 8> singles;
+      for (const CachedGranule& p : pieces) {
+        for (std::uint32_t k = 0; k < p.count; ++k) {
+          singles.push_back({p.handle, p.offset + k, 1, p.since});
+        }
+      }
+      pieces = std::move(singles);
+    }
+    std::size_t done = 0;  // pieces mapped
+    std::uint64_t at = lo;
+    for (; done < pieces.size(); ++done) {
+      const CachedGranule& p = pieces[done];
+      s = driver_.MemMap(DevicePtr(at), p.count * granule_, p.offset * granule_,
+                         p.handle);
       if (!s.ok()) break;
+      at += p.count * granule_;
     }
     if (s.ok()) {
       s = driver_.MemSetAccess(DevicePtr(lo), hi - lo, device_);
       if (!s.ok()) ++driver_errors_;
     }
     if (s.ok()) {
-      for (std::size_t k = 0; k < n; ++k) NoteMapped(seg, i0 + k, handles[k]);
+      std::size_t i = i0;
+      for (const CachedGranule& p : pieces) {
+        NotePiece(seg, i, p);
+        i += p.count;
+      }
       return Carve(u, lo, hi, /*to_unmapped=*/false);
     }
-    // Roll back (one retry per unmap); keep the granules for the next growth.
-    absl::InlinedVector<std::size_t, 4> stuck;
+    // Roll back (one retry per unmap); keep the pieces for the next growth.
+    // A piece that can be neither given access nor unmapped stays mapped on
+    // the books, so that its addresses are never mapped twice.
+    absl::InlinedVector<std::pair<std::size_t, std::size_t>, 4> stuck;
+    at = lo;
     for (std::size_t k = 0; k < done; ++k) {
-      const DevicePtr at(lo + k * granule_);
-      if (driver_.MemUnmap(at, granule_).ok() ||
-          driver_.MemUnmap(at, granule_).ok()) {
-        granule_cache_.push_back({handles[k], Now()});
+      const CachedGranule& p = pieces[k];
+      const DevicePtr where(at);
+      if (driver_.MemUnmap(where, p.count * granule_).ok() ||
+          driver_.MemUnmap(where, p.count * granule_).ok()) {
+        CachePiece(p);
       } else {
         ++driver_errors_;
-        stuck.push_back(k);
+        stuck.emplace_back(k, (at - r->base) / granule_);
       }
+      at += p.count * granule_;
     }
-    for (std::size_t k = done; k < n; ++k) {
-      granule_cache_.push_back({handles[k], Now()});
-    }
+    for (std::size_t k = done; k < pieces.size(); ++k) CachePiece(pieces[k]);
     // Highest first, so that `u` still starts the unmapped rest below.
     for (auto it = stuck.rbegin(); it != stuck.rend(); ++it) {
-      const std::uint64_t at = lo + *it * granule_;
-      if (!driver_.MemSetAccess(DevicePtr(at), granule_, device_).ok()) {
+      const CachedGranule& p = pieces[it->first];
+      const std::uint64_t where = r->base + it->second * granule_;
+      if (!driver_.MemSetAccess(DevicePtr(where), p.count * granule_, device_)
+               .ok()) {
         ++driver_errors_;
       }
-      NoteMapped(seg, i0 + *it, handles[*it]);
-      Carve(u, at, at + granule_, /*to_unmapped=*/false);
+      NotePiece(seg, it->second, p);
+      Carve(u, where, where + p.count * granule_, /*to_unmapped=*/false);
     }
     return s;
   }
@@ -2015,43 +2126,55 @@ class CachingDeviceAllocator::Impl {
     return b;
   }
 
-  // Books granule `i` of `seg` as mapped to `h`.
-  void NoteMapped(Segment* seg, std::size_t i, PhysicalMemHandle h)
+  // Books piece `p` as mapped at granules [i, i + p.count) of `seg`.
+  void NotePiece(Segment* seg, std::size_t i, const CachedGranule& p)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     VmmRange* r = RangeOf(seg);
-    r->Set(i, h);
-    r->mapped += granule_;
-    ++granule_maps_;
+    for (std::uint32_t k = 0; k < p.count; ++k) {
+      r->Set(i + k, p.handle, p.offset + k, /*start=*/k == 0);
+    }
+    const std::size_t bytes = p.count * granule_;
+    r->mapped += bytes;
+    granule_maps_ += p.count;
+    phys_[p.handle.value()].mapped += p.count;
     StreamState* ss = Owner(seg);
     Bump(ss, &PoolStats::reserved_bytes, seg->small,
-         static_cast<std::int64_t>(granule_));
+         static_cast<std::int64_t>(bytes));
     if (recorder_.enabled()) {
-      recorder_.Record(TraceOp::kSegmentMap, r->base + i * granule_, granule_,
+      recorder_.Record(TraceOp::kSegmentMap, r->base + i * granule_, bytes,
                        ss->stream, ss->tenant);
     }
   }
 
-  // Unmaps granule `i` of `seg` into the cache. REQUIRES: no queued work
-  // uses it (its stream was found idle).
-  absl::Status UnmapGranule(Segment* seg, std::size_t i)
+  // Unmaps the piece (one mapping) that starts at granule `i` of `seg` into
+  // the cache; returns its granules in *count. REQUIRES: no queued work uses
+  // it (its stream was found idle).
+  absl::Status UnmapPiece(Segment* seg, std::size_t i, std::size_t* count)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     VmmRange* r = RangeOf(seg);
-    const DevicePtr at(r->base + i * granule_);
-    if (!r->IsMapped(i)) {
+    if (!r->IsMapped(i) || !r->IsStart(i)) {
       return absl::InternalError(absl::StrFormat(
-          "granule %d of range 0x%x is not mapped", i, r->base));
+          "granule %d of range 0x%x does not start a mapping", i, r->base));
     }
-    CTXPOOL_RETURN_IF_ERROR(driver_.MemUnmap(at, granule_));
-    granule_cache_.push_back({r->Take(i), Now()});
-    r->mapped -= granule_;
-    ++granule_unmaps_;
+    const std::size_t end = r->PieceEnd(i, r->size / granule_);
+    const std::size_t n = end - i;
+    const DevicePtr at(r->base + i * granule_);
+    CTXPOOL_RETURN_IF_ERROR(driver_.MemUnmap(at, n * granule_));
+    const std::uint32_t offset = r->Offset(i);
+    PhysicalMemHandle h;
+    for (std::size_t k = i; k < end; ++k) h = r->Take(k);
+    CachePiece({h, offset, static_cast<std::uint32_t>(n), Now()});
+    phys_[h.value()].mapped -= static_cast<std::uint32_t>(n);
+    r->mapped -= n * granule_;
+    granule_unmaps_ += static_cast<std::int64_t>(n);
     StreamState* ss = Owner(seg);
     Bump(ss, &PoolStats::reserved_bytes, seg->small,
-         -static_cast<std::int64_t>(granule_));
+         -static_cast<std::int64_t>(n * granule_));
     if (recorder_.enabled()) {
-      recorder_.Record(TraceOp::kSegmentUnmap, at.address(), granule_,
+      recorder_.Record(TraceOp::kSegmentUnmap, at.address(), n * granule_,
                        ss->stream, ss->tenant);
     }
+    *count = n;
     return absl::OkStatus();
   }
 
@@ -2112,24 +2235,48 @@ class CachingDeviceAllocator::Impl {
     return done.ok() && *done;
   }
 
-  // Unmaps up to `want` bytes (rounded up to granules) of `ss`'s free mapped
-  // granules (under blocks outside the skip range, the top of a block
-  // first) into the cache once its queued work is done: with `wait`, waits
-  // for it (counted in *waits); else sets *busy and unmaps nothing.
+  // Unmaps up to `want` bytes (rounded up to whole mappings) of `ss`'s free
+  // mapped granules (the pieces wholly under mapped free blocks outside the
+  // skip range, the top of a block first) into the cache once its queued
+  // work is done: with `wait`, waits for it (counted in *waits); else sets
+  // *busy and unmaps nothing. Never more than `cap` bytes in all (a piece
+  // that would pass it stays).
   absl::Status UnmapFreeGranules(StreamState* ss, std::size_t want, bool wait,
                                  int* waits, bool* busy, std::size_t* unmapped,
                                  std::uint64_t skip_lo = 0,
-                                 std::uint64_t skip_hi = 0)
+                                 std::uint64_t skip_hi = 0,
+                                 std::size_t cap = kNoLimit)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // Per block, the pieces to unmap: a contiguous span [lo, hi) of granules.
     absl::InlinedVector<GranuleRun, 8> todo;
     std::size_t bytes = 0;
-    ForFreeGranuleRuns(ss, skip_lo, skip_hi, [&](GranuleRun run) {
+    ForFreeGranuleRuns(ss, skip_lo, skip_hi, [&](const GranuleRun& run) {
       if (bytes >= want) return false;
-      const std::size_t left =
-          (want - bytes) / granule_ + ((want - bytes) % granule_ != 0);
-      if (run.hi - run.lo > left) run.lo = run.hi - left;
-      todo.push_back(run);
-      bytes += (run.hi - run.lo) * granule_;
+      const VmmRange* r = RangeOf(run.block->segment);
+      // The pieces wholly inside [run.lo, run.hi), in order.
+      absl::InlinedVector<std::pair<std::size_t, std::size_t>, 8> pieces;
+      for (std::size_t i = run.lo; i < run.hi;) {
+        if (!r->IsStart(i)) {  // the tail of a piece that starts below
+          ++i;
+          continue;
+        }
+        const std::size_t end = r->PieceEnd(i, run.hi + 1);
+        if (end > run.hi) break;  // runs past the block: not wholly free
+        pieces.emplace_back(i, end);
+        i = end;
+      }
+      // From the top down while contiguous and wanted.
+      GranuleRun take{run.block, 0, 0};
+      for (auto it = pieces.rbegin(); it != pieces.rend() && bytes < want;
+           ++it) {
+        if (take.hi != 0 && it->second != take.lo) break;
+        const std::size_t piece = (it->second - it->first) * granule_;
+        if (piece > cap - bytes) break;
+        if (take.hi == 0) take.hi = it->second;
+        take.lo = it->first;
+        bytes += (it->second - it->first) * granule_;
+      }
+      if (take.hi != 0) todo.push_back(take);
       return true;
     });
     if (todo.empty()) return absl::OkStatus();
@@ -2145,54 +2292,77 @@ class CachingDeviceAllocator::Impl {
       *busy = true;
       return absl::OkStatus();
     }
-    // Carving one run's block touches only that block and unmapped
-    // neighbours, so the other runs' blocks stay valid.
+    // Carving one block touches only that block and its unmapped
+    // neighbours, so the other blocks in `todo` stay valid. A block's pieces
+    // are unmapped from the top down; a failure keeps the rest mapped.
     absl::Status first;
-    for (const GranuleRun& run : todo) {
-      Segment* seg = run.block->segment;
+    for (const GranuleRun& take : todo) {
+      Segment* seg = take.block->segment;
       const VmmRange* r = RangeOf(seg);
-      std::size_t i = run.lo;
-      for (; i < run.hi; ++i) {
-        absl::Status s = UnmapGranule(seg, i);
+      std::size_t low = take.hi;
+      while (low > take.lo) {
+        std::size_t start = low - 1;  // the piece that ends at `low`
+        while (start > take.lo && !r->IsStart(start)) --start;
+        std::size_t n = 0;
+        absl::Status s = UnmapPiece(seg, start, &n);
         if (!s.ok()) {
           first.Update(s);
           break;
         }
+        low = start;
       }
-      if (i == run.lo) continue;
-      Carve(run.block, r->base + run.lo * granule_, r->base + i * granule_,
+      if (low == take.hi) continue;
+      Carve(take.block, r->base + low * granule_, r->base + take.hi * granule_,
             /*to_unmapped=*/true);
-      if (unmapped != nullptr) *unmapped += (i - run.lo) * granule_;
+      if (unmapped != nullptr) *unmapped += (take.hi - low) * granule_;
     }
     return first;
   }
 
-  // Releases cached granules to the driver until at most `keep_bytes` stay.
+  // Releases cached physical allocations to the driver, oldest piece first,
+  // until at most `keep_bytes` stay cached. Only an allocation with no
+  // mapped granule can be released (whole: the driver frees nothing less);
+  // one still partly mapped keeps its cached pieces. Linear in the cache.
   absl::Status ReleaseGranuleCache(std::size_t keep_bytes, std::size_t* freed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     absl::Status first;
     if (granule_cache_.empty()) return first;  // classic mode: granule_ is 0
-    // Oldest first: the front has been unused longest. The released prefix
-    // is erased once at the end (linear in the granules released).
     const std::size_t keep = keep_bytes / granule_;
-    std::size_t released = 0;
-    while (granule_cache_.size() - released > keep) {
-      absl::Status s = driver_.MemRelease(granule_cache_[released].handle);
-      if (!s.ok()) {
-        first.Update(s);
+    absl::flat_hash_set<std::uint64_t> released;
+    std::size_t left = cache_granules_;
+    for (const CachedGranule& p : granule_cache_) {
+      if (left <= keep) break;
+      if (released.contains(p.handle.value())) continue;
+      auto it = phys_.find(p.handle.value());
+      if (it == phys_.end() || it->second.mapped != 0) continue;
+      absl::Status st = driver_.MemRelease(p.handle);
+      if (!st.ok()) {
+        first.Update(st);
         break;
       }
-      ++released;
+      released.insert(p.handle.value());
+      const std::size_t cached = it->second.granules - it->second.leaked;
+      left -= std::min(left, cached);
+      ++upstream_frees_;
+      if (freed != nullptr) *freed += cached * granule_;
+      phys_.erase(it);
     }
-    granule_cache_.erase(granule_cache_.begin(),
-                         granule_cache_.begin() + released);
-    upstream_frees_ += static_cast<std::int64_t>(released);
-    if (freed != nullptr) *freed += released * granule_;
+    if (released.empty()) return first;
+    // One pass drops every piece of what was released.
+    std::size_t kept = 0;
+    for (const CachedGranule& p : granule_cache_) {
+      if (released.contains(p.handle.value())) continue;
+      granule_cache_[kept++] = p;
+    }
+    granule_cache_.resize(kept);
+    cache_granules_ = 0;
+    for (const CachedGranule& p : granule_cache_) cache_granules_ += p.count;
     return first;
   }
 
-  // Releases cached granules unmapped at least options_.idle_release_after
-  // before `now`.
+  // Releases cached physical allocations all of whose cached pieces were
+  // unmapped at least options_.idle_release_after before `now` (and none of
+  // which is mapped).
   absl::Status DecayCache(absl::Time now, std::size_t* freed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (granule_cache_.empty() ||
@@ -2200,15 +2370,20 @@ class CachingDeviceAllocator::Impl {
       return absl::OkStatus();
     }
     const absl::Time cutoff = now - options_.idle_release_after;
+    absl::flat_hash_set<std::uint64_t> fresh;  // a piece newer than cutoff
+    for (const CachedGranule& g : granule_cache_) {
+      if (g.since > cutoff) fresh.insert(g.handle.value());
+    }
     std::size_t old = 0;
     for (const CachedGranule& g : granule_cache_) {
-      if (g.since <= cutoff) ++old;
+      if (!fresh.contains(g.handle.value())) old += g.count;
     }
     if (old == 0) return absl::OkStatus();
-    // The cache is used LIFO, so stale entries sit at the front.
-    std::stable_partition(
-        granule_cache_.begin(), granule_cache_.end(),
-        [cutoff](const CachedGranule& g) { return g.since <= cutoff; });
+    // The stale allocations' pieces first, so they are released first.
+    std::stable_partition(granule_cache_.begin(), granule_cache_.end(),
+                          [&](const CachedGranule& g) {
+                            return !fresh.contains(g.handle.value());
+                          });
     return ReleaseGranuleCache(CacheBytes() - old * granule_, freed);
   }
 
@@ -2269,7 +2444,7 @@ class CachingDeviceAllocator::Impl {
         std::size_t moved = 0;
         UnmapFreeGranules(
             x, std::min(allow, want - got + granule_ - 1) / granule_ * granule_,
-            /*wait=*/false, nullptr, &busy, &moved)
+            /*wait=*/false, nullptr, &busy, &moved, 0, 0, /*cap=*/allow)
             .IgnoreError();
         tenants_[t]->reclaimed_from += moved;
         tenants_[ss->tenant]->reclaimed_by += moved;
@@ -2602,6 +2777,9 @@ class CachingDeviceAllocator::Impl {
   absl::btree_map<std::uint64_t, std::unique_ptr<VmmRange>> vmm_ranges_
       ABSL_GUARDED_BY(mu_);
   std::vector<CachedGranule> granule_cache_ ABSL_GUARDED_BY(mu_);
+  std::size_t cache_granules_ ABSL_GUARDED_BY(mu_) = 0;  // in granule_cache_
+  // Every physical allocation not yet released, by handle.
+  absl::flat_hash_map<std::uint64_t, PhysChunk> phys_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<Tenant>> tenants_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::uint64_t> bound_ ABSL_GUARDED_BY(mu_);
 };
@@ -2830,6 +3008,33 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
     return absl::InternalError(
         absl::StrFormat("I5: %d pending events queued, blocks expect %d",
                         pending_.size(), pending_events));
+  }
+  if (expandable_) {  // I12
+    std::size_t cached = 0;
+    for (const CachedGranule& g : granule_cache_) {
+      auto it = phys_.find(g.handle.value());
+      if (g.count == 0 || it == phys_.end() ||
+          g.offset + g.count > it->second.granules) {
+        return absl::InternalError(absl::StrFormat(
+            "I12: cached piece of 0x%x [%d, +%d) is not inside a live "
+            "physical allocation",
+            g.handle.value(), g.offset, g.count));
+      }
+      cached += g.count;
+    }
+    std::size_t total = 0, mapped = 0, leaked = 0;
+    for (const auto& [handle, chunk] : phys_) {
+      total += chunk.granules;
+      mapped += chunk.mapped;
+      leaked += chunk.leaked;
+    }
+    if (cached != cache_granules_ || mapped * granule_ != Reserved() ||
+        total != mapped + cached + leaked) {
+      return absl::InternalError(absl::StrFormat(
+          "I12: physical allocations hold %d granules, %d mapped (books: %d "
+          "bytes) and %d cached (books: %d)",
+          total, mapped, Reserved(), cached, cache_granules_));
+    }
   }
   for (const PendingEvent& p : pending_) {
     if (p.block->state != BlockState::kPendingFree) {

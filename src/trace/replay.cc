@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "ctxpool/core/json_string.h"
 #include "ctxpool/driver/sim_driver.h"
+#include "ctxpool/options.h"
 #include "ctxpool/status.h"
 
 namespace ctxpool {
@@ -566,6 +567,17 @@ absl::Status ParseAllocatorConfig(absl::string_view text,
     std::size_t* field = nullptr;
     if (key == "max_split_size") field = &options->max_split_size;
     if (key == "memory_limit") field = &options->memory_limit_bytes;
+    if (key == "vmm_chunk_bytes") field = &options->vmm_chunk_bytes;
+    if (key == "vmm_map_whole_chunks") {
+      absl::StatusOr<bool> b = ParseBool(value);
+      if (!b.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--config: vmm_map_whole_chunks must be true or false, not '",
+            value, "'"));
+      }
+      options->vmm_map_whole_chunks = *b;
+      continue;
+    }
     if (key == "round_bytes") field = &options->round_bytes;
     if (key == "small_size_limit") field = &options->small_size_limit;
     if (key == "small_segment_bytes") field = &options->small_segment_bytes;
@@ -574,7 +586,8 @@ absl::Status ParseAllocatorConfig(absl::string_view text,
     if (field == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--config: unknown key '", key,
-          "' (known: backing, memory_limit, max_split_size, round_bytes, "
+          "' (known: backing, memory_limit, vmm_chunk_bytes, "
+          "vmm_map_whole_chunks, max_split_size, round_bytes, "
           "small_size_limit, small_segment_bytes, large_segment_bytes, "
           "large_round_bytes)"));
     }
