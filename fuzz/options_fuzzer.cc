@@ -1,9 +1,9 @@
 // Fuzz target: the parsers of sizes, options and configuration strings —
 // ParseBytes / ParseBool (the options table), ParseByteSize and
 // ParseAllocatorConfig (the tools), SetOption on every option, and
-// SimDriver::CreateFromSpec. Whatever the text, each returns a value or an
-// error Status (never a crash or an exception), and what parses formats back
-// to the same number.
+// SimDriver::CreateFromSpec, and the JSON cost table (ParseSimCostTable).
+// Whatever the text, each returns a value or an error Status (never a crash
+// or an exception), and what parses formats back to the same value.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "ctxpool/alloc/device_allocator.h"
+#include "ctxpool/driver/sim_costs.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "ctxpool/options.h"
 #include "ctxpool/trace/replay.h"
@@ -24,7 +25,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data,
   const std::uint8_t pick = data[0];
   const absl::string_view text(reinterpret_cast<const char*>(data + 1),
                                size - 1);
-  switch (pick % 6) {
+  switch (pick % 7) {
     case 0: {
       absl::StatusOr<std::size_t> b = ctxpool::ParseBytes(text);
       if (b.ok()) {
@@ -61,6 +62,27 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data,
         (void)ctxpool::GetOptionBytes(spec.id);
       }
       ctxpool::ReloadOptions();
+      break;
+    }
+    case 5: {
+      const ctxpool::SimCostTable base = ctxpool::RealisticSimCosts();
+      absl::StatusOr<ctxpool::SimCostTable> t =
+          ctxpool::ParseSimCostTable(text, base);
+      if (t.ok()) {
+        absl::StatusOr<ctxpool::SimCostTable> again =
+            ctxpool::ParseSimCostTable(ctxpool::SimCostTableToJson(*t),
+                                       ctxpool::SimCostTable{});
+        if (!again.ok() || again->work_ns != t->work_ns ||
+            again->context_create_ns != t->context_create_ns) {
+          std::abort();
+        }
+        for (int i = 0; i < ctxpool::kSimCallCount; ++i) {
+          if (again->calls[i].ns != t->calls[i].ns ||
+              again->calls[i].ns_per_mib != t->calls[i].ns_per_mib) {
+            std::abort();
+          }
+        }
+      }
       break;
     }
     default: {

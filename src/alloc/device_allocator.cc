@@ -445,9 +445,15 @@ class CachingDeviceAllocator::Impl {
         // Each physical allocation is released once; one the driver refuses
         // is leaked (the driver frees it when the process exits). Granules
         // still mapped (their unmap failed) were counted by Reset.
+        // One with granules stuck mapped is not freed by its release either:
+        // its cached rest is leaked with them.
         for (const auto& [handle, chunk] : phys_) {
           if (driver_.MemRelease(PhysicalMemHandle(handle)).ok()) {
             ++upstream_frees_;
+            if (chunk.leaked != 0) {
+              leaked_bytes_ +=
+                  (chunk.granules - chunk.mapped - chunk.leaked) * granule_;
+            }
           } else {
             leaked_bytes_ +=
                 (chunk.granules - chunk.mapped - chunk.leaked) * granule_;
@@ -1971,10 +1977,11 @@ class CachingDeviceAllocator::Impl {
   // Appends pieces covering `n` granules (in address order) to *pieces:
   // cached ones first (most recently unmapped; the last one split if it is
   // larger than what is left), then new physical allocations, one granule
-  // each, except that a large-pool rest of at least
-  // options_.vmm_chunk_bytes plus two granules gets chunks of up to that
-  // size in its interior (one cuMemCreate and one cuMemMap each); its first
-  // and last granules, which neighbouring blocks may share, stay single. Growth
+  // each, except that a large-pool rest of three granules or more gets
+  // chunks of up to options_.vmm_chunk_bytes in its interior (one
+  // cuMemCreate each); its first and last granules, which neighbouring
+  // blocks may share, stay single. A chunk the device cannot supply falls
+  // back to single granules. Growth
   // past options_.memory_limit_bytes fails as the driver's out-of-memory would.
   // On failure *pieces keeps what it got (the caller returns it to the
   // cache).
@@ -2007,7 +2014,7 @@ class CachingDeviceAllocator::Impl {
         small ? 1
               : std::max<std::size_t>(1, options_.vmm_chunk_bytes / granule_);
     std::size_t chunked_lo = n, chunked_hi = n;  // created in chunks
-    if (chunk > 1 && n - got >= chunk + 2) {
+    if (chunk > 1 && n - got >= 3) {
       chunked_lo = got + 1;
       chunked_hi = n - 1;
     }
@@ -2016,8 +2023,18 @@ class CachingDeviceAllocator::Impl {
           static_cast<std::uint32_t>(got >= chunked_lo && got < chunked_hi
                                          ? std::min(chunk, chunked_hi - got)
                                          : 1);
-      CTXPOOL_ASSIGN_OR_RETURN(PhysicalMemHandle h,
-                               driver_.MemCreate(count * granule_, device_));
+      absl::StatusOr<PhysicalMemHandle> created =
+          driver_.MemCreate(count * granule_, device_);
+      if (!created.ok()) {
+        // A chunk the device cannot supply in one piece may still fit in
+        // granules: the rest goes single before the caller reclaims.
+        if (count > 1 && IsOutOfMemory(created.status())) {
+          chunked_hi = got;
+          continue;
+        }
+        return created.status();
+      }
+      const PhysicalMemHandle h = *created;
       ++upstream_allocs_;
       phys_[h.value()] = PhysChunk{count, 0};
       pieces->push_back({h, 0, count, Now()});
@@ -2344,7 +2361,13 @@ class CachingDeviceAllocator::Impl {
       const std::size_t cached = it->second.granules - it->second.leaked;
       left -= std::min(left, cached);
       ++upstream_frees_;
-      if (freed != nullptr) *freed += cached * granule_;
+      if (it->second.leaked != 0) {
+        // Granules stuck mapped keep the whole allocation alive: what was
+        // cached is leaked with them, not freed.
+        leaked_bytes_ += cached * granule_;
+      } else if (freed != nullptr) {
+        *freed += cached * granule_;
+      }
       phys_.erase(it);
     }
     if (released.empty()) return first;

@@ -205,11 +205,12 @@ struct DeviceAllocatorOptions {
   // OOM report). 0: the device's capacity. DeviceContext reads
   // CTXPOOL_MEMORY_LIMIT.
   std::size_t memory_limit_bytes = 0;
-  // Expandable backing: the large pool's physical memory for a request of
-  // at least this many bytes (plus two granules) comes in allocations of up
-  // to this size (a multiple of the 2 MiB granule), one cuMemCreate each, so
-  // a 1 GiB tensor costs 18 creates rather than 512; its first and last
-  // granules, which neighbours may share, stay single. A physical
+  // Expandable backing: the large pool's new physical memory for a run of
+  // three granules or more comes in allocations of up to this size (rounded
+  // down to the 2 MiB granule), one cuMemCreate each, so a 1 GiB tensor
+  // costs 18 creates rather than 512; the run's first and last granules,
+  // which neighbours may share, stay single, and so does the rest when the
+  // device cannot supply a chunk whole. A physical
   // allocation is freed (Trim, decay) only once none of it is mapped, so a
   // live block can keep the cached rest of one reserved. The small pool
   // always uses single granules. 0 or the granule: single granules.
