@@ -25,6 +25,9 @@
 
 // X(name, one-line help, run function), one line per command.
 #define CTXPOOL_TOOL_COMMANDS(X)                                             \
+  X("costs",                                                                 \
+    "time each driver call kind and write SimDriver's cost table (JSON)",    \
+    RunCosts)                                                                \
   X("demo", "run a multi-model server today vs with ctxpool, side by side",  \
     RunDemo)                                                                 \
   X("info",                                                                  \
