@@ -39,7 +39,7 @@
 //       every block but the unmapped ones lies on mapped granules;
 //   I10 no expandable segment is in whole_free_, and inactive_split counts
 //       nothing (the unmapped tail is not cached memory);
-//   I12 every physical allocation (phys_) is mapped granules + cached
+//   I12 every physical allocation (the backing's) is mapped granules + cached
 //       pieces + leaked granules (dropped while mapped by a forced Reset):
 //       sum(granules) == mapped + cached + leaked, sum(mapped) × granule ==
 //       reserved, and each cached piece lies inside its allocation;
@@ -92,6 +92,8 @@
 #include "ctxpool/core/stats.h"
 #include "ctxpool/driver/cuda_errors.h"
 #include "ctxpool/status.h"
+#include "classic_backing.h"
+#include "expandable_backing.h"
 #include "segment_backing.h"
 
 namespace ctxpool {
@@ -99,7 +101,11 @@ namespace {
 
 using alloc_internal::BackedRange;
 using alloc_internal::ClassicBacking;
+using alloc_internal::ExpandableBacking;
+using alloc_internal::ExpandableOptions;
 using alloc_internal::SegmentBacking;
+using alloc_internal::StuckPiece;
+using alloc_internal::VmmRange;
 
 constexpr std::size_t kInitialLiveCapacity = 4096;
 
@@ -153,162 +159,6 @@ void SortByStream(std::vector<StreamState*>* v) {
 // indexing it wholly free again resets the stamp.
 struct DeviceSegment : Segment {
   absl::Time free_since = absl::InfinitePast();
-};
-
-// Expandable mode: the virtual range behind a segment and its granules.
-// The granules' physical handles sit in a sparse two-level table: chunks of
-// 64 granules (a bit mask and the handles), only for chunks with a mapped
-// granule, so host memory and every walk follow the mapped bytes, not the
-// range's size (twice the device's capacity). A one-chunk hint keeps the
-// hot path's "is this block mapped" check O(1).
-struct VmmRange {
-  static constexpr std::size_t kChunk = 64;
-  struct Chunk {
-    std::uint64_t bits = 0;    // bit k: granule chunk * 64 + k is mapped
-    std::uint64_t starts = 0;  // bit k: ... and starts a mapping (a piece)
-    std::array<PhysicalMemHandle, kChunk> handles;
-    std::array<std::uint32_t, kChunk> offsets = {};  // granule in the handle
-  };
-
-  std::uint64_t base = 0;
-  std::size_t size = 0;
-  std::size_t mapped = 0;  // bytes
-  absl::btree_map<std::size_t, std::unique_ptr<Chunk>> chunks;
-
-  bool IsMapped(std::size_t i) const {
-    const Chunk* c = Find(i / kChunk);
-    return c != nullptr && ((c->bits >> (i % kChunk)) & 1) != 0;
-  }
-  // Granule i maps granule `offset` of `h`; `start`: it begins a mapping.
-  void Set(std::size_t i, PhysicalMemHandle h, std::uint32_t offset,
-           bool start) {
-    std::unique_ptr<Chunk>& c = chunks[i / kChunk];
-    if (c == nullptr) c = std::make_unique<Chunk>();
-    const std::uint64_t bit = std::uint64_t{1} << (i % kChunk);
-    c->bits |= bit;
-    if (start) c->starts |= bit;
-    c->handles[i % kChunk] = h;
-    c->offsets[i % kChunk] = offset;
-  }
-  bool IsStart(std::size_t i) const {
-    const Chunk* c = Find(i / kChunk);
-    return c != nullptr && ((c->starts >> (i % kChunk)) & 1) != 0;
-  }
-  std::uint32_t Offset(std::size_t i) const {
-    const Chunk* c = Find(i / kChunk);
-    return c == nullptr ? 0 : c->offsets[i % kChunk];
-  }
-  // The end of the mapping that starts at granule i: the next start or
-  // unmapped granule, at most `limit`.
-  std::size_t PieceEnd(std::size_t i, std::size_t limit) const {
-    std::size_t j = i + 1;
-    while (j < limit && IsMapped(j) && !IsStart(j)) ++j;
-    return j;
-  }
-  // Removes granule i's entry and returns its handle (null if unmapped).
-  PhysicalMemHandle Take(std::size_t i) {
-    auto it = chunks.find(i / kChunk);
-    if (it == chunks.end()) return PhysicalMemHandle();
-    Chunk& c = *it->second;
-    const std::uint64_t bit = std::uint64_t{1} << (i % kChunk);
-    if ((c.bits & bit) == 0) return PhysicalMemHandle();
-    const PhysicalMemHandle h = c.handles[i % kChunk];
-    c.bits &= ~bit;
-    c.starts &= ~bit;
-    c.handles[i % kChunk] = PhysicalMemHandle();
-    c.offsets[i % kChunk] = 0;
-    if (c.bits == 0) {
-      if (hint_ == it->second.get()) hint_ = nullptr;
-      chunks.erase(it);
-    }
-    return h;
-  }
-  // Calls fn(i, handle) for each mapped granule i in [lo, hi), in order;
-  // stops when fn returns false.
-  template <typename Fn>
-  void ForEachMapped(std::size_t lo, std::size_t hi, Fn fn) const {
-    if (lo >= hi) return;
-    for (auto it = chunks.lower_bound(lo / kChunk);
-         it != chunks.end() && it->first * kChunk < hi; ++it) {
-      std::uint64_t bits = it->second->bits;
-      while (bits != 0) {
-        const int k = absl::countr_zero(bits);
-        bits &= bits - 1;
-        const std::size_t i = it->first * kChunk + static_cast<std::size_t>(k);
-        if (i < lo) continue;
-        if (i >= hi) return;
-        if (!fn(i, it->second->handles[static_cast<std::size_t>(k)])) return;
-      }
-    }
-  }
-  // Whether every granule in [lo, hi) is mapped: the hot path's check, a
-  // mask test when the range lies in one chunk (the common case).
-  bool AllMapped(std::size_t lo, std::size_t hi) const {
-    if (lo >= hi) return true;
-    if (ABSL_PREDICT_TRUE(lo / kChunk == (hi - 1) / kChunk)) {
-      const Chunk* c = Find(lo / kChunk);
-      if (c == nullptr) return false;
-      const std::uint64_t mask = MaskOf(lo, hi);
-      return (c->bits & mask) == mask;
-    }
-    return CountMapped(lo, hi) == hi - lo;
-  }
-  // Mapped granules among [lo, hi).
-  std::size_t CountMapped(std::size_t lo, std::size_t hi) const {
-    if (lo >= hi) return 0;
-    if (lo / kChunk == (hi - 1) / kChunk) {  // one chunk: the hot path
-      const Chunk* c = Find(lo / kChunk);
-      if (c == nullptr) return 0;
-      return static_cast<std::size_t>(absl::popcount(c->bits & MaskOf(lo, hi)));
-    }
-    std::size_t n = 0;
-    ForEachMapped(lo, hi, [&n](std::size_t, PhysicalMemHandle) {
-      ++n;
-      return true;
-    });
-    return n;
-  }
-
- private:
-  // The bits of granules [lo, hi) within their chunk. REQUIRES: one chunk.
-  static std::uint64_t MaskOf(std::size_t lo, std::size_t hi) {
-    const std::size_t width = hi - lo;
-    return (width == kChunk ? ~std::uint64_t{0}
-                            : ((std::uint64_t{1} << width) - 1))
-           << (lo % kChunk);
-  }
-  const Chunk* Find(std::size_t chunk) const {
-    if (hint_ != nullptr && hint_index_ == chunk) return hint_;
-    auto it = chunks.find(chunk);
-    if (it == chunks.end()) return nullptr;
-    hint_index_ = chunk;
-    hint_ = it->second.get();
-    return hint_;
-  }
-  // The chunk last found (the allocator's lock guards the range, so the
-  // const lookups may update it).
-  mutable std::size_t hint_index_ = 0;
-  mutable Chunk* hint_ = nullptr;
-};
-
-// Expandable mode: granules [offset, offset + count) of physical
-// allocation `handle`, mapped nowhere, kept for reuse (mapped anywhere as
-// one cuMemMap with that offset, whole or in part).
-struct CachedGranule {
-  PhysicalMemHandle handle;
-  std::uint32_t offset = 0;
-  std::uint32_t count = 1;
-  absl::Time since;
-};
-
-// Expandable mode: one cuMemCreate of `granules` granules. Its granules are
-// mapped (in pieces, each its own cuMemMap) or in the cache; the driver
-// frees it only when none is mapped and it is released, so Trim releases it
-// whole once all of it is cached.
-struct PhysChunk {
-  std::uint32_t granules = 0;
-  std::uint32_t mapped = 0;
-  std::uint32_t leaked = 0;  // dropped from the books while mapped
 };
 
 struct Tenant {
@@ -422,7 +272,12 @@ class CachingDeviceAllocator::Impl {
         device_total_(device_total),
         expandable_(options_.backing == BackingMode::kExpandable),
         granule_(granule),
-        backing_(std::make_unique<ClassicBacking>(driver)) {
+        backing_(std::make_unique<ClassicBacking>(driver)),
+        vmm_(driver, device, granule,
+             ExpandableOptions{options_.vmm_chunk_bytes,
+                               options_.vmm_map_whole_chunks,
+                               options_.memory_limit_bytes},
+             options_.clock) {
     live_.reserve(kInitialLiveCapacity);
     auto t = std::make_unique<Tenant>();
     t->name = "default";
@@ -442,29 +297,10 @@ class CachingDeviceAllocator::Impl {
           if (ss->retired) PutEvent(ss->retire_event);
         }
         for (EventHandle e : event_pool_) driver_.EventDestroy(e).IgnoreError();
-        // Each physical allocation is released once; one the driver refuses
-        // is leaked (the driver frees it when the process exits). Granules
-        // still mapped (their unmap failed) were counted by Reset.
-        // One with granules stuck mapped is not freed by its release either:
-        // its cached rest is leaked with them.
-        for (const auto& [handle, chunk] : phys_) {
-          if (driver_.MemRelease(PhysicalMemHandle(handle)).ok()) {
-            ++upstream_frees_;
-            if (chunk.leaked != 0) {
-              leaked_bytes_ +=
-                  (chunk.granules - chunk.mapped - chunk.leaked) * granule_;
-            }
-          } else {
-            leaked_bytes_ +=
-                (chunk.granules - chunk.mapped - chunk.leaked) * granule_;
-          }
-        }
+        vmm_.ReleaseAll();
       } else {
-        leaked_bytes_ += CacheBytes();
+        vmm_.LeakAll();
       }
-      granule_cache_.clear();
-      cache_granules_ = 0;
-      phys_.clear();
       event_pool_.clear();
     }
     if (owns_ctx_) driver_.PrimaryCtxRelease(device_).IgnoreError();
@@ -893,18 +729,19 @@ class CachingDeviceAllocator::Impl {
     s.num_alloc_retries = num_alloc_retries_;
     s.num_ooms = num_ooms_;
     s.cache_hits = cache_hits_;
-    s.upstream_allocs = upstream_allocs_;
-    s.upstream_frees = upstream_frees_;
+    const alloc_internal::ExpandableCounters& vc = vmm_.counters();
+    s.upstream_allocs = upstream_allocs_ + vc.creates;
+    s.upstream_frees = upstream_frees_ + vc.releases;
     s.num_trims = num_trims_;
     s.num_stream_waits = num_stream_waits_;
     s.num_host_syncs = num_host_syncs_;
     s.invalid_frees = invalid_frees_;
     s.invalid_requests = invalid_requests_;
     s.destroyed_streams = destroyed_streams_;
-    s.driver_errors = driver_errors_;
-    s.leaked_bytes = leaked_bytes_;
-    s.granule_maps = granule_maps_;
-    s.granule_unmaps = granule_unmaps_;
+    s.driver_errors = driver_errors_ + vc.driver_errors;
+    s.leaked_bytes = leaked_bytes_ + vc.leaked_bytes;
+    s.granule_maps = vc.granule_maps;
+    s.granule_unmaps = vc.granule_unmaps;
     s.granule_cache_bytes = CacheBytes();
     return s;
   }
@@ -1533,8 +1370,9 @@ class CachingDeviceAllocator::Impl {
     StreamState* ss = Owner(seg);
     const bool small = seg->small;
     if (expandable_) {
-      // Unmap every granule (to the cache), then give the range back.
+      // Unmap every piece (to the cache), then give the range back.
       VmmRange* r = RangeOf(seg);
+      bool unreserved = false;
       if (free_memory) {
         std::vector<std::size_t> starts;
         r->ForEachMapped(0, r->size / granule_,
@@ -1547,33 +1385,28 @@ class CachingDeviceAllocator::Impl {
           absl::Status u = UnmapPiece(seg, i, &n);
           if (!u.ok() && s.ok()) s = u;
         }
-        // The granules unmapped so far are in the cache; the rest stay
+        // The pieces unmapped so far are in the cache; the rest stay
         // mapped under free blocks, and the range stays, for a retry.
         if (!s.ok() && keep_on_error) {
           MarkUnmappedRuns(seg);
           return s;
         }
         if (s.ok()) {
-          s = driver_.MemAddressFree(DevicePtr(r->base), r->size);
-          if (!s.ok() && keep_on_error) {
+          s = vmm_.Unreserve(r);
+          if (s.ok()) {
+            unreserved = true;
+          } else if (keep_on_error) {
             MarkUnmappedRuns(seg);
             return s;
           }
         }
       }
-      // Whatever could not be unmapped is dropped from the books: leaked.
-      r->ForEachMapped(0, r->size / granule_,
-                       [&](std::size_t, PhysicalMemHandle h)
-                           ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-                             PhysChunk& c = phys_[h.value()];
-                             --c.mapped;
-                             ++c.leaked;
-                             return true;
-                           });
-      leaked_bytes_ += r->mapped;
-      Bump(ss, &PoolStats::reserved_bytes, small,
-           -static_cast<std::int64_t>(r->mapped));
-      r->mapped = 0;
+      if (!unreserved) {
+        // Whatever could not be unmapped is dropped from the books: leaked.
+        Bump(ss, &PoolStats::reserved_bytes, small,
+             -static_cast<std::int64_t>(r->mapped));
+        vmm_.Forget(r);
+      }
       ss->range[PoolIndex(small)] = nullptr;
     } else if (free_memory) {
       s = backing_->Free(
@@ -1615,8 +1448,6 @@ class CachingDeviceAllocator::Impl {
     if (!expandable_) {
       Bump(ss, &PoolStats::reserved_bytes, small,
            -static_cast<std::int64_t>(seg->size));
-    } else {
-      vmm_ranges_.erase(seg->base);
     }
     segments_.erase(seg->base);
     return s;
@@ -1893,7 +1724,7 @@ class CachingDeviceAllocator::Impl {
     return options_.clock ? options_.clock() : absl::Now();
   }
   std::size_t CacheBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return cache_granules_ * granule_;
+    return vmm_.cache_bytes();
   }
   // The bytes of [address, address + bytes) that lie on mapped granules.
   std::size_t MappedBytes(const Segment* seg, std::uint64_t address,
@@ -1932,18 +1763,14 @@ class CachingDeviceAllocator::Impl {
     // address-space fragmentation from failing a request that physical
     // memory could serve.
     const std::size_t size = 2 * SizeClasses::RoundUp(device_total_, granule_);
-    CTXPOOL_ASSIGN_OR_RETURN(DevicePtr base,
-                             driver_.MemAddressReserve(size, granule_));
-    auto r = std::make_unique<VmmRange>();
-    r->base = base.address();
-    r->size = size;
+    CTXPOOL_ASSIGN_OR_RETURN(VmmRange * r, vmm_.Reserve(size));
     auto seg = std::make_unique<DeviceSegment>();
     seg->base = r->base;
     seg->size = size;
     seg->stream = ss->stream;
     seg->small = small;
     seg->backing_handle =
-        static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(r.get()));
+        static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(r));
     seg->owner = ss;
     Block* b = blocks_.New();
     b->address = seg->base;
@@ -1954,174 +1781,49 @@ class CachingDeviceAllocator::Impl {
     seg->first = b;
     Bump(ss, &PoolStats::segment, small, 1);
     slot = seg.get();
-    vmm_ranges_.emplace(r->base, std::move(r));
     segments_.emplace(seg->base, std::move(seg));
     Index(b);
     return slot;
   }
 
-  // The physical memory the allocator holds: mapped granules, the granule
-  // cache, and `in_hand` granules taken out of the cache.
-  std::size_t PhysicalBytes(std::size_t in_hand) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return Reserved() + CacheBytes() + in_hand * granule_;
-  }
-
-  // Puts a piece into the granule cache (most recent last).
-  void CachePiece(const CachedGranule& piece)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    granule_cache_.push_back(piece);
-    cache_granules_ += piece.count;
-  }
-
-  // Appends pieces covering `n` granules (in address order) to *pieces:
-  // cached ones first (most recently unmapped; the last one split if it is
-  // larger than what is left), then new physical allocations, one granule
-  // each, except that a large-pool rest of three granules or more gets
-  // chunks of up to options_.vmm_chunk_bytes in its interior (one
-  // cuMemCreate each); its first and last granules, which neighbouring
-  // blocks may share, stay single. A chunk the device cannot supply falls
-  // back to single granules. Growth
-  // past options_.memory_limit_bytes fails as the driver's out-of-memory would.
-  // On failure *pieces keeps what it got (the caller returns it to the
-  // cache).
-  absl::Status AcquirePieces(std::size_t n, bool small,
-                             absl::InlinedVector<CachedGranule, 8>* pieces)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    std::size_t got = 0;
-    while (got < n && !granule_cache_.empty()) {
-      CachedGranule p = granule_cache_.back();
-      granule_cache_.pop_back();
-      cache_granules_ -= p.count;
-      if (p.count > n - got) {  // keep the rest cached
-        const auto use = static_cast<std::uint32_t>(n - got);
-        CachePiece({p.handle, p.offset + use, p.count - use, p.since});
-        p.count = use;
-      }
-      got += p.count;
-      pieces->push_back(p);
-    }
-    if (got == n) return absl::OkStatus();
-    const std::size_t limit = options_.memory_limit_bytes;
-    if (limit != 0 && PhysicalBytes(got) + (n - got) * granule_ > limit) {
-      return DriverError(
-          cu::kErrorOutOfMemory, "cuMemCreate",
-          absl::StrFormat("memory_limit_bytes (%d) reached: the allocator "
-                          "holds %d bytes and needs %d more",
-                          limit, PhysicalBytes(got), (n - got) * granule_));
-    }
-    const std::size_t chunk =
-        small ? 1
-              : std::max<std::size_t>(1, options_.vmm_chunk_bytes / granule_);
-    std::size_t chunked_lo = n, chunked_hi = n;  // created in chunks
-    if (chunk > 1 && n - got >= 3) {
-      chunked_lo = got + 1;
-      chunked_hi = n - 1;
-    }
-    while (got < n) {
-      const auto count =
-          static_cast<std::uint32_t>(got >= chunked_lo && got < chunked_hi
-                                         ? std::min(chunk, chunked_hi - got)
-                                         : 1);
-      absl::StatusOr<PhysicalMemHandle> created =
-          driver_.MemCreate(count * granule_, device_);
-      if (!created.ok()) {
-        // A chunk the device cannot supply in one piece may still fit in
-        // granules: the rest goes single before the caller reclaims.
-        if (count > 1 && IsOutOfMemory(created.status())) {
-          chunked_hi = got;
-          continue;
-        }
-        return created.status();
-      }
-      const PhysicalMemHandle h = *created;
-      ++upstream_allocs_;
-      phys_[h.value()] = PhysChunk{count, 0};
-      pieces->push_back({h, 0, count, Now()});
-      got += count;
-    }
-    return absl::OkStatus();
-  }
-
   // Maps the granules of [lo, hi) (granule aligned, inside unmapped free
-  // block `u` of `seg`): one cuMemMap per granule and one cuMemSetAccess
-  // for the run. Returns the mapped free block (coalesced with its mapped
-  // neighbours) that now covers [lo, hi). On failure the run is rolled back
-  // into the granule cache; a granule that can be neither given access nor
-  // unmapped stays mapped on the books, so its address is never mapped
-  // twice.
+  // block `u` of `seg`) through the backing (ExpandableBacking::MapRun:
+  // cached pieces first, then chunks or granules; one cuMemMap per granule
+  // and one cuMemSetAccess for the run). Returns the mapped free block
+  // (coalesced with its mapped neighbours) that now covers [lo, hi). On
+  // failure the run is rolled back into the cache, but for pieces that
+  // could be neither given access nor unmapped: those stay mapped on the
+  // books (never mapped twice) as mapped free blocks.
   absl::StatusOr<Block*> MapRun(Segment* seg, Block* u, std::uint64_t lo,
                                 std::uint64_t hi)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     VmmRange* r = RangeOf(seg);
-    const std::size_t n = (hi - lo) / granule_;
-    const std::size_t i0 = (lo - r->base) / granule_;
-    absl::InlinedVector<CachedGranule, 8> pieces;
-    absl::Status s = AcquirePieces(n, seg->small, &pieces);
-    if (!s.ok()) {
-      for (const CachedGranule& p : pieces) CachePiece(p);
-      return s;
-    }
-    if (!options_.vmm_map_whole_chunks) {  // one mapping per granule
-      absl::InlinedVector<CachedGranule, 8> singles;
-      for (const CachedGranule& p : pieces) {
-        for (std::uint32_t k = 0; k < p.count; ++k) {
-          singles.push_back({p.handle, p.offset + k, 1, p.since});
-        }
-      }
-      pieces = std::move(singles);
-    }
-    std::size_t done = 0;  // pieces mapped
-    std::uint64_t at = lo;
-    for (; done < pieces.size(); ++done) {
-      const CachedGranule& p = pieces[done];
-      s = driver_.MemMap(DevicePtr(at), p.count * granule_, p.offset * granule_,
-                         p.handle);
-      if (!s.ok()) break;
-      at += p.count * granule_;
-    }
+    std::vector<StuckPiece> stuck;
+    absl::Status s = vmm_.MapRun(r, (lo - r->base) / granule_,
+                                 (hi - lo) / granule_, seg->small, &stuck);
     if (s.ok()) {
-      s = driver_.MemSetAccess(DevicePtr(lo), hi - lo, device_);
-      if (!s.ok()) ++driver_errors_;
-    }
-    if (s.ok()) {
-      std::size_t i = i0;
-      for (const CachedGranule& p : pieces) {
-        NotePiece(seg, i, p);
-        i += p.count;
-      }
+      NoteMapped(seg, lo, hi - lo);
       return Carve(u, lo, hi, /*to_unmapped=*/false);
     }
-    // Roll back (one retry per unmap); keep the pieces for the next growth.
-    // A piece that can be neither given access nor unmapped stays mapped on
-    // the books, so that its addresses are never mapped twice.
-    absl::InlinedVector<std::pair<std::size_t, std::size_t>, 4> stuck;
-    at = lo;
-    for (std::size_t k = 0; k < done; ++k) {
-      const CachedGranule& p = pieces[k];
-      const DevicePtr where(at);
-      if (driver_.MemUnmap(where, p.count * granule_).ok() ||
-          driver_.MemUnmap(where, p.count * granule_).ok()) {
-        CachePiece(p);
-      } else {
-        ++driver_errors_;
-        stuck.emplace_back(k, (at - r->base) / granule_);
-      }
-      at += p.count * granule_;
-    }
-    for (std::size_t k = done; k < pieces.size(); ++k) CachePiece(pieces[k]);
     // Highest first, so that `u` still starts the unmapped rest below.
     for (auto it = stuck.rbegin(); it != stuck.rend(); ++it) {
-      const CachedGranule& p = pieces[it->first];
-      const std::uint64_t where = r->base + it->second * granule_;
-      if (!driver_.MemSetAccess(DevicePtr(where), p.count * granule_, device_)
-               .ok()) {
-        ++driver_errors_;
-      }
-      NotePiece(seg, it->second, p);
-      Carve(u, where, where + p.count * granule_, /*to_unmapped=*/false);
+      const std::uint64_t where = r->base + it->granule * granule_;
+      NoteMapped(seg, where, it->count * granule_);
+      Carve(u, where, where + it->count * granule_, /*to_unmapped=*/false);
     }
     return s;
+  }
+
+  // Books [address, +bytes) of `seg` as newly mapped: stats and trace.
+  void NoteMapped(Segment* seg, std::uint64_t address, std::size_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    StreamState* ss = Owner(seg);
+    Bump(ss, &PoolStats::reserved_bytes, seg->small,
+         static_cast<std::int64_t>(bytes));
+    if (recorder_.enabled()) {
+      recorder_.Record(TraceOp::kSegmentMap, address, bytes, ss->stream,
+                       ss->tenant);
+    }
   }
 
   // Turns [lo, hi) of free block `b` (granule aligned when it changes the
@@ -2143,55 +1845,21 @@ class CachingDeviceAllocator::Impl {
     return b;
   }
 
-  // Books piece `p` as mapped at granules [i, i + p.count) of `seg`.
-  void NotePiece(Segment* seg, std::size_t i, const CachedGranule& p)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    VmmRange* r = RangeOf(seg);
-    for (std::uint32_t k = 0; k < p.count; ++k) {
-      r->Set(i + k, p.handle, p.offset + k, /*start=*/k == 0);
-    }
-    const std::size_t bytes = p.count * granule_;
-    r->mapped += bytes;
-    granule_maps_ += p.count;
-    phys_[p.handle.value()].mapped += p.count;
-    StreamState* ss = Owner(seg);
-    Bump(ss, &PoolStats::reserved_bytes, seg->small,
-         static_cast<std::int64_t>(bytes));
-    if (recorder_.enabled()) {
-      recorder_.Record(TraceOp::kSegmentMap, r->base + i * granule_, bytes,
-                       ss->stream, ss->tenant);
-    }
-  }
-
-  // Unmaps the piece (one mapping) that starts at granule `i` of `seg` into
-  // the cache; returns its granules in *count. REQUIRES: no queued work uses
-  // it (its stream was found idle).
+  // Unmaps the mapping that starts at granule `i` of `seg` into the cache;
+  // returns its granules in *count. REQUIRES: no queued work uses it (its
+  // stream was found idle).
   absl::Status UnmapPiece(Segment* seg, std::size_t i, std::size_t* count)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     VmmRange* r = RangeOf(seg);
-    if (!r->IsMapped(i) || !r->IsStart(i)) {
-      return absl::InternalError(absl::StrFormat(
-          "granule %d of range 0x%x does not start a mapping", i, r->base));
-    }
-    const std::size_t end = r->PieceEnd(i, r->size / granule_);
-    const std::size_t n = end - i;
-    const DevicePtr at(r->base + i * granule_);
-    CTXPOOL_RETURN_IF_ERROR(driver_.MemUnmap(at, n * granule_));
-    const std::uint32_t offset = r->Offset(i);
-    PhysicalMemHandle h;
-    for (std::size_t k = i; k < end; ++k) h = r->Take(k);
-    CachePiece({h, offset, static_cast<std::uint32_t>(n), Now()});
-    phys_[h.value()].mapped -= static_cast<std::uint32_t>(n);
-    r->mapped -= n * granule_;
-    granule_unmaps_ += static_cast<std::int64_t>(n);
+    CTXPOOL_RETURN_IF_ERROR(vmm_.UnmapPiece(r, i, count));
+    const std::size_t bytes = *count * granule_;
     StreamState* ss = Owner(seg);
     Bump(ss, &PoolStats::reserved_bytes, seg->small,
-         -static_cast<std::int64_t>(n * granule_));
+         -static_cast<std::int64_t>(bytes));
     if (recorder_.enabled()) {
-      recorder_.Record(TraceOp::kSegmentUnmap, at.address(), n * granule_,
+      recorder_.Record(TraceOp::kSegmentUnmap, r->base + i * granule_, bytes,
                        ss->stream, ss->tenant);
     }
-    *count = n;
     return absl::OkStatus();
   }
 
@@ -2336,78 +2004,24 @@ class CachingDeviceAllocator::Impl {
     return first;
   }
 
-  // Releases cached physical allocations to the driver, oldest piece first,
-  // until at most `keep_bytes` stay cached. Only an allocation with no
-  // mapped granule can be released (whole: the driver frees nothing less);
-  // one still partly mapped keeps its cached pieces. Linear in the cache.
+  // Releases cached physical allocations to the driver, oldest first, until
+  // at most `keep_bytes` stay cached (ExpandableBacking::Release: only what
+  // is wholly unmapped).
   absl::Status ReleaseGranuleCache(std::size_t keep_bytes, std::size_t* freed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    absl::Status first;
-    if (granule_cache_.empty()) return first;  // classic mode: granule_ is 0
-    const std::size_t keep = keep_bytes / granule_;
-    absl::flat_hash_set<std::uint64_t> released;
-    std::size_t left = cache_granules_;
-    for (const CachedGranule& p : granule_cache_) {
-      if (left <= keep) break;
-      if (released.contains(p.handle.value())) continue;
-      auto it = phys_.find(p.handle.value());
-      if (it == phys_.end() || it->second.mapped != 0) continue;
-      absl::Status st = driver_.MemRelease(p.handle);
-      if (!st.ok()) {
-        first.Update(st);
-        break;
-      }
-      released.insert(p.handle.value());
-      const std::size_t cached = it->second.granules - it->second.leaked;
-      left -= std::min(left, cached);
-      ++upstream_frees_;
-      if (it->second.leaked != 0) {
-        // Granules stuck mapped keep the whole allocation alive: what was
-        // cached is leaked with them, not freed.
-        leaked_bytes_ += cached * granule_;
-      } else if (freed != nullptr) {
-        *freed += cached * granule_;
-      }
-      phys_.erase(it);
-    }
-    if (released.empty()) return first;
-    // One pass drops every piece of what was released.
-    std::size_t kept = 0;
-    for (const CachedGranule& p : granule_cache_) {
-      if (released.contains(p.handle.value())) continue;
-      granule_cache_[kept++] = p;
-    }
-    granule_cache_.resize(kept);
-    cache_granules_ = 0;
-    for (const CachedGranule& p : granule_cache_) cache_granules_ += p.count;
-    return first;
+    if (!expandable_) return absl::OkStatus();
+    return vmm_.Release(keep_bytes, freed);
   }
 
-  // Releases cached physical allocations all of whose cached pieces were
-  // unmapped at least options_.idle_release_after before `now` (and none of
-  // which is mapped).
+  // Releases cached physical allocations unmapped at least
+  // options_.idle_release_after before `now`.
   absl::Status DecayCache(absl::Time now, std::size_t* freed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (granule_cache_.empty() ||
+    if (!expandable_ ||
         options_.idle_release_after == absl::InfiniteDuration()) {
       return absl::OkStatus();
     }
-    const absl::Time cutoff = now - options_.idle_release_after;
-    absl::flat_hash_set<std::uint64_t> fresh;  // a piece newer than cutoff
-    for (const CachedGranule& g : granule_cache_) {
-      if (g.since > cutoff) fresh.insert(g.handle.value());
-    }
-    std::size_t old = 0;
-    for (const CachedGranule& g : granule_cache_) {
-      if (!fresh.contains(g.handle.value())) old += g.count;
-    }
-    if (old == 0) return absl::OkStatus();
-    // The stale allocations' pieces first, so they are released first.
-    std::stable_partition(granule_cache_.begin(), granule_cache_.end(),
-                          [&](const CachedGranule& g) {
-                            return !fresh.contains(g.handle.value());
-                          });
-    return ReleaseGranuleCache(CacheBytes() - old * granule_, freed);
+    return vmm_.Decay(now - options_.idle_release_after, freed);
   }
 
   // A tenant above its high returns its streams' free granules to the
@@ -2795,14 +2409,8 @@ class CachingDeviceAllocator::Impl {
   std::int64_t destroyed_streams_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t driver_errors_ ABSL_GUARDED_BY(mu_) = 0;
   std::size_t leaked_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  std::int64_t granule_maps_ ABSL_GUARDED_BY(mu_) = 0;
-  std::int64_t granule_unmaps_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::btree_map<std::uint64_t, std::unique_ptr<VmmRange>> vmm_ranges_
-      ABSL_GUARDED_BY(mu_);
-  std::vector<CachedGranule> granule_cache_ ABSL_GUARDED_BY(mu_);
-  std::size_t cache_granules_ ABSL_GUARDED_BY(mu_) = 0;  // in granule_cache_
-  // Every physical allocation not yet released, by handle.
-  absl::flat_hash_map<std::uint64_t, PhysChunk> phys_ ABSL_GUARDED_BY(mu_);
+  // Expandable mode's ranges, mappings, physical allocations and cache.
+  ExpandableBacking vmm_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<Tenant>> tenants_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::uint64_t> bound_ ABSL_GUARDED_BY(mu_);
 };
@@ -3033,31 +2641,7 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
                         pending_.size(), pending_events));
   }
   if (expandable_) {  // I12
-    std::size_t cached = 0;
-    for (const CachedGranule& g : granule_cache_) {
-      auto it = phys_.find(g.handle.value());
-      if (g.count == 0 || it == phys_.end() ||
-          g.offset + g.count > it->second.granules) {
-        return absl::InternalError(absl::StrFormat(
-            "I12: cached piece of 0x%x [%d, +%d) is not inside a live "
-            "physical allocation",
-            g.handle.value(), g.offset, g.count));
-      }
-      cached += g.count;
-    }
-    std::size_t total = 0, mapped = 0, leaked = 0;
-    for (const auto& [handle, chunk] : phys_) {
-      total += chunk.granules;
-      mapped += chunk.mapped;
-      leaked += chunk.leaked;
-    }
-    if (cached != cache_granules_ || mapped * granule_ != Reserved() ||
-        total != mapped + cached + leaked) {
-      return absl::InternalError(absl::StrFormat(
-          "I12: physical allocations hold %d granules, %d mapped (books: %d "
-          "bytes) and %d cached (books: %d)",
-          total, mapped, Reserved(), cached, cache_granules_));
-    }
+    CTXPOOL_RETURN_IF_ERROR(vmm_.CheckInvariants(Reserved()));
   }
   for (const PendingEvent& p : pending_) {
     if (p.block->state != BlockState::kPendingFree) {

@@ -2,10 +2,11 @@
 // their memory (internal; not installed).
 //
 // The allocator's block logic does not care how a segment's range was
-// obtained. A SegmentBacking hides it: ClassicBacking makes one cuMemAlloc per
-// segment and one cuMemFree to return it. An expandable VMM backing (a
-// per-stream virtual reservation with 2 MiB granules mapped on demand and a
-// per-device granule cache) implements the same interface.
+// obtained. A SegmentBacking hides it: ClassicBacking (classic_backing.h)
+// makes one cuMemAlloc per segment and one cuMemFree to return it. The
+// expandable backing (expandable_backing.h) is different in kind: one
+// virtual range per (stream, pool) whose granules are mapped and unmapped
+// run by run, so its interface is the range and its runs.
 //
 // The caller holds the allocator's lock and has made its context current.
 #ifndef CTXPOOL_SRC_ALLOC_SEGMENT_BACKING_H_
@@ -38,22 +39,6 @@ class SegmentBacking {
   virtual absl::StatusOr<BackedRange> Allocate(std::size_t bytes) = 0;
   // Returns a range from Allocate. REQUIRES: no stream work still uses it.
   virtual absl::Status Free(const BackedRange& range) = 0;
-};
-
-// cuMemAlloc / cuMemFree per segment.
-class ClassicBacking final : public SegmentBacking {
- public:
-  explicit ClassicBacking(Driver& driver) : driver_(driver) {}
-  absl::StatusOr<BackedRange> Allocate(std::size_t bytes) override {
-    CTXPOOL_ASSIGN_OR_RETURN(DevicePtr p, driver_.MemAlloc(bytes));
-    return BackedRange{p, bytes, 0};
-  }
-  absl::Status Free(const BackedRange& range) override {
-    return driver_.MemFree(range.base);
-  }
-
- private:
-  Driver& driver_;
 };
 
 }  // namespace alloc_internal

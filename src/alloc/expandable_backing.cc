@@ -1,0 +1,333 @@
+// The expandable (VMM) backing: see expandable_backing.h.
+#include "expandable_backing.h"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+#include "ctxpool/driver/cuda_errors.h"
+#include "ctxpool/status.h"
+
+namespace ctxpool {
+namespace alloc_internal {
+namespace {
+
+bool IsOutOfMemory(const absl::Status& s) {
+  std::optional<int> code = DriverErrorCode(s);
+  return code.has_value() && *code == cu::kErrorOutOfMemory;
+}
+
+}  // namespace
+
+absl::StatusOr<VmmRange*> ExpandableBacking::Reserve(std::size_t bytes) {
+  CTXPOOL_ASSIGN_OR_RETURN(DevicePtr base,
+                           driver_.MemAddressReserve(bytes, granule_));
+  auto r = std::make_unique<VmmRange>();
+  r->base = base.address();
+  r->size = bytes;
+  VmmRange* out = r.get();
+  ranges_.emplace(r->base, std::move(r));
+  return out;
+}
+
+absl::Status ExpandableBacking::Unreserve(VmmRange* r) {
+  CTXPOOL_RETURN_IF_ERROR(driver_.MemAddressFree(DevicePtr(r->base), r->size));
+  ranges_.erase(r->base);
+  return absl::OkStatus();
+}
+
+void ExpandableBacking::Forget(VmmRange* r) {
+  r->ForEachMapped(0, r->size / granule_,
+                   [&](std::size_t, PhysicalMemHandle h) {
+                     PhysChunk& c = phys_[h.value()];
+                     --c.mapped;
+                     ++c.leaked;
+                     return true;
+                   });
+  mapped_granules_ -= r->mapped / granule_;
+  counters_.leaked_bytes += r->mapped;
+  ranges_.erase(r->base);
+}
+
+absl::Status ExpandableBacking::AcquirePieces(
+    std::size_t n, bool small, std::vector<CachedPiece>* pieces) {
+  std::size_t got = 0;
+  while (got < n && !cache_.empty()) {
+    CachedPiece p = cache_.back();
+    cache_.pop_back();
+    cache_granules_ -= p.count;
+    if (p.count > n - got) {  // keep the rest cached
+      const auto use = static_cast<std::uint32_t>(n - got);
+      CachePiece({p.handle, p.offset + use, p.count - use, p.since});
+      p.count = use;
+    }
+    got += p.count;
+    pieces->push_back(p);
+  }
+  if (got == n) return absl::OkStatus();
+  const std::size_t limit = options_.memory_limit_bytes;
+  const std::size_t held =
+      (mapped_granules_ + cache_granules_ + got) * granule_;
+  if (limit != 0 && held + (n - got) * granule_ > limit) {
+    return DriverError(
+        cu::kErrorOutOfMemory, "cuMemCreate",
+        absl::StrFormat("memory_limit_bytes (%d) reached: the allocator "
+                        "holds %d bytes and needs %d more",
+                        limit, held, (n - got) * granule_));
+  }
+  const std::size_t chunk =
+      small ? 1 : std::max<std::size_t>(1, options_.chunk_bytes / granule_);
+  std::size_t chunked_lo = n, chunked_hi = n;  // created in chunks
+  if (chunk > 1 && n - got >= 3) {
+    chunked_lo = got + 1;
+    chunked_hi = n - 1;
+  }
+  while (got < n) {
+    const auto count =
+        static_cast<std::uint32_t>(got >= chunked_lo && got < chunked_hi
+                                       ? std::min(chunk, chunked_hi - got)
+                                       : 1);
+    absl::StatusOr<PhysicalMemHandle> created =
+        driver_.MemCreate(count * granule_, device_);
+    if (!created.ok()) {
+      // A chunk the device cannot supply in one piece may still fit in
+      // granules: the rest goes single before the caller reclaims.
+      if (count > 1 && IsOutOfMemory(created.status())) {
+        chunked_hi = got;
+        continue;
+      }
+      return created.status();
+    }
+    ++counters_.creates;
+    phys_[created->value()] = PhysChunk{count, 0, 0};
+    pieces->push_back({*created, 0, count, Now()});
+    got += count;
+  }
+  return absl::OkStatus();
+}
+
+void ExpandableBacking::NotePiece(VmmRange* r, std::size_t i,
+                                  const CachedPiece& p) {
+  for (std::uint32_t k = 0; k < p.count; ++k) {
+    r->Set(i + k, p.handle, p.offset + k, /*start=*/k == 0);
+  }
+  r->mapped += p.count * granule_;
+  mapped_granules_ += p.count;
+  counters_.granule_maps += p.count;
+  phys_[p.handle.value()].mapped += p.count;
+}
+
+absl::Status ExpandableBacking::MapRun(VmmRange* r, std::size_t i0,
+                                       std::size_t n, bool small,
+                                       std::vector<StuckPiece>* stuck) {
+  const std::uint64_t lo = r->base + i0 * granule_;
+  const std::uint64_t bytes = n * granule_;
+  std::vector<CachedPiece> pieces;
+  absl::Status s = AcquirePieces(n, small, &pieces);
+  if (!s.ok()) {
+    for (const CachedPiece& p : pieces) CachePiece(p);
+    return s;
+  }
+  if (!options_.map_whole_chunks) {  // one mapping per granule
+    std::vector<CachedPiece> singles;
+    singles.reserve(n);
+    for (const CachedPiece& p : pieces) {
+      for (std::uint32_t k = 0; k < p.count; ++k) {
+        singles.push_back({p.handle, p.offset + k, 1, p.since});
+      }
+    }
+    pieces = std::move(singles);
+  }
+  std::size_t done = 0;  // pieces mapped
+  std::uint64_t at = lo;
+  for (; done < pieces.size(); ++done) {
+    const CachedPiece& p = pieces[done];
+    s = driver_.MemMap(DevicePtr(at), p.count * granule_, p.offset * granule_,
+                       p.handle);
+    if (!s.ok()) break;
+    at += p.count * granule_;
+  }
+  if (s.ok()) {
+    s = driver_.MemSetAccess(DevicePtr(lo), bytes, device_);
+    if (!s.ok()) ++counters_.driver_errors;
+  }
+  if (s.ok()) {
+    std::size_t i = i0;
+    for (const CachedPiece& p : pieces) {
+      NotePiece(r, i, p);
+      i += p.count;
+    }
+    return absl::OkStatus();
+  }
+  // Roll back (one retry per unmap); keep the pieces for the next growth.
+  at = lo;
+  for (std::size_t k = 0; k < done; ++k) {
+    const CachedPiece& p = pieces[k];
+    const DevicePtr where(at);
+    if (driver_.MemUnmap(where, p.count * granule_).ok() ||
+        driver_.MemUnmap(where, p.count * granule_).ok()) {
+      CachePiece(p);
+    } else {
+      ++counters_.driver_errors;
+      const std::size_t g = (at - r->base) / granule_;
+      if (!driver_.MemSetAccess(where, p.count * granule_, device_).ok()) {
+        ++counters_.driver_errors;
+      }
+      NotePiece(r, g, p);
+      stuck->push_back({g, p.count});
+    }
+    at += p.count * granule_;
+  }
+  for (std::size_t k = done; k < pieces.size(); ++k) CachePiece(pieces[k]);
+  return s;
+}
+
+absl::Status ExpandableBacking::UnmapPiece(VmmRange* r, std::size_t i,
+                                           std::size_t* n) {
+  if (!r->IsMapped(i) || !r->IsStart(i)) {
+    return absl::InternalError(absl::StrFormat(
+        "granule %d of range 0x%x does not start a mapping", i, r->base));
+  }
+  const std::size_t end = r->PieceEnd(i, r->size / granule_);
+  const std::size_t count = end - i;
+  CTXPOOL_RETURN_IF_ERROR(
+      driver_.MemUnmap(DevicePtr(r->base + i * granule_), count * granule_));
+  const std::uint32_t offset = r->Offset(i);
+  PhysicalMemHandle h;
+  for (std::size_t k = i; k < end; ++k) h = r->Take(k);
+  CachePiece({h, offset, static_cast<std::uint32_t>(count), Now()});
+  phys_[h.value()].mapped -= static_cast<std::uint32_t>(count);
+  r->mapped -= count * granule_;
+  mapped_granules_ -= count;
+  counters_.granule_unmaps += static_cast<std::int64_t>(count);
+  *n = count;
+  return absl::OkStatus();
+}
+
+absl::Status ExpandableBacking::Release(std::size_t keep_bytes,
+                                        std::size_t* freed) {
+  absl::Status first;
+  if (cache_.empty()) return first;
+  const std::size_t keep = keep_bytes / granule_;
+  absl::flat_hash_set<std::uint64_t> released;
+  std::size_t left = cache_granules_;
+  for (const CachedPiece& p : cache_) {
+    if (left <= keep) break;
+    if (released.contains(p.handle.value())) continue;
+    auto it = phys_.find(p.handle.value());
+    if (it == phys_.end() || it->second.mapped != 0) continue;
+    absl::Status st = driver_.MemRelease(p.handle);
+    if (!st.ok()) {
+      first.Update(st);
+      break;
+    }
+    released.insert(p.handle.value());
+    const std::size_t cached = it->second.granules - it->second.leaked;
+    left -= std::min(left, cached);
+    ++counters_.releases;
+    if (it->second.leaked != 0) {
+      // Granules stuck mapped keep the whole allocation alive: what was
+      // cached is leaked with them, not freed.
+      counters_.leaked_bytes += cached * granule_;
+    } else if (freed != nullptr) {
+      *freed += cached * granule_;
+    }
+    phys_.erase(it);
+  }
+  if (released.empty()) return first;
+  // One pass drops every piece of what was released.
+  std::size_t kept = 0;
+  cache_granules_ = 0;
+  for (const CachedPiece& p : cache_) {
+    if (released.contains(p.handle.value())) continue;
+    cache_[kept++] = p;
+    cache_granules_ += p.count;
+  }
+  cache_.resize(kept);
+  return first;
+}
+
+absl::Status ExpandableBacking::Decay(absl::Time cutoff, std::size_t* freed) {
+  if (cache_.empty()) return absl::OkStatus();
+  absl::flat_hash_set<std::uint64_t> fresh;  // a piece newer than cutoff
+  for (const CachedPiece& p : cache_) {
+    if (p.since > cutoff) fresh.insert(p.handle.value());
+  }
+  std::size_t old = 0;
+  for (const CachedPiece& p : cache_) {
+    if (!fresh.contains(p.handle.value())) old += p.count;
+  }
+  if (old == 0) return absl::OkStatus();
+  // The stale allocations' pieces first, so they are released first.
+  std::stable_partition(
+      cache_.begin(), cache_.end(),
+      [&](const CachedPiece& p) { return !fresh.contains(p.handle.value()); });
+  return Release(cache_bytes() - old * granule_, freed);
+}
+
+void ExpandableBacking::ReleaseAll() {
+  for (const auto& [handle, chunk] : phys_) {
+    const std::size_t cached = chunk.granules - chunk.mapped - chunk.leaked;
+    if (driver_.MemRelease(PhysicalMemHandle(handle)).ok()) {
+      ++counters_.releases;
+      // One with granules stuck mapped is not freed by its release either.
+      if (chunk.leaked != 0) counters_.leaked_bytes += cached * granule_;
+    } else {
+      counters_.leaked_bytes += cached * granule_;
+    }
+  }
+  phys_.clear();
+  cache_.clear();
+  cache_granules_ = 0;
+}
+
+void ExpandableBacking::LeakAll() {
+  counters_.leaked_bytes += cache_bytes();
+  phys_.clear();
+  cache_.clear();
+  cache_granules_ = 0;
+}
+
+absl::Status ExpandableBacking::CheckInvariants(
+    std::size_t reserved_bytes) const {
+  std::size_t cached = 0;
+  for (const CachedPiece& p : cache_) {
+    auto it = phys_.find(p.handle.value());
+    if (p.count == 0 || it == phys_.end() ||
+        p.offset + p.count > it->second.granules) {
+      return absl::InternalError(absl::StrFormat(
+          "I12: cached piece of 0x%x [%d, +%d) is not inside a live "
+          "physical allocation",
+          p.handle.value(), p.offset, p.count));
+    }
+    cached += p.count;
+  }
+  std::size_t total = 0, mapped = 0, leaked = 0;
+  for (const auto& [handle, chunk] : phys_) {
+    total += chunk.granules;
+    mapped += chunk.mapped;
+    leaked += chunk.leaked;
+  }
+  std::size_t in_ranges = 0;
+  for (const auto& [base, r] : ranges_) in_ranges += r->mapped;
+  if (cached != cache_granules_ || mapped != mapped_granules_ ||
+      mapped * granule_ != reserved_bytes || in_ranges != reserved_bytes ||
+      total != mapped + cached + leaked) {
+    return absl::InternalError(absl::StrFormat(
+        "I12: physical allocations hold %d granules, %d mapped (books: %d "
+        "bytes, ranges: %d) and %d cached (books: %d), %d leaked",
+        total, mapped, reserved_bytes, in_ranges, cached, cache_granules_,
+        leaked));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace alloc_internal
+}  // namespace ctxpool
