@@ -238,6 +238,29 @@ TEST_F(DeviceAllocatorTest, SplitCoalesceAndBestFit) {
   EXPECT_EQ(Cur(alloc_->Stats().total.inactive_split), 0);
 }
 
+// Classic backing under memory_limit_bytes: growth past the limit first
+// returns the stream's cached segments, then fails naming the limit.
+TEST_F(DeviceAllocatorTest, MemoryLimitReleasesCachedSegmentsFirst) {
+  DeviceAllocatorOptions o;
+  o.memory_limit_bytes = 60 * kMiB;
+  Init(*SimDevicePreset("a10-24gb"), o);
+  DevicePtr a = Alloc(24 * kMiB, s1_);  // a segment of its own each
+  DevicePtr b = Alloc(24 * kMiB, s1_);
+  Free(a);
+  Free(b);
+  ASSERT_EQ(alloc_->Stats().total.reserved_bytes[0].current, 48 * kMiB);
+  DevicePtr c = Alloc(30 * kMiB, s1_);  // 48 + 30 > 60: the cache goes first
+  EXPECT_LE(alloc_->Stats().total.reserved_bytes[0].current, 60 * kMiB);
+  EXPECT_EQ(alloc_->Stats().num_ooms, 0);
+  absl::StatusOr<DevicePtr> d = alloc_->Allocate(40 * kMiB, s1_);
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(d.status().message().find("memory_limit_bytes is 62914560"),
+            std::string::npos)
+      << d.status();
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  Free(c);
+}
+
 TEST_F(DeviceAllocatorTest, MaxSplitSizeKeepsOversizeBlocksWhole) {
   DeviceAllocatorOptions o;
   o.max_split_size = 32 * kMiB;

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "ctxpool/driver/sim_driver.h"
+#include "ctxpool/options.h"
 #include "gtest/gtest.h"
 
 namespace ctxpool {
@@ -33,6 +34,36 @@ std::uint64_t TotalCalls(const SimDriver& sim) {
     n += sim.call_count(static_cast<SimCall>(i));
   }
   return n;
+}
+
+// CTXPOOL_MEMORY_LIMIT (and CTXPOOL_BACKING=auto) reach the device
+// allocator through the option table; a bad value is refused.
+TEST(DeviceContext, OptionTableSetsTheMemoryLimit) {
+  std::unique_ptr<SimDriver> sim = MakeSim();
+  ASSERT_TRUE(SetOption(OptionId::kMemoryLimit, "1GiB").ok());
+  ASSERT_TRUE(SetOption(OptionId::kBacking, "auto").ok());
+  DeviceContextOptions o = Plain();
+  o.use_option_table = true;
+  {
+    auto dc = DeviceContext::Create(*sim, 0, o);
+    ASSERT_TRUE(dc.ok()) << dc.status();
+    CachingDeviceAllocator& a = (*dc)->device_allocator();
+    EXPECT_EQ(a.options().memory_limit_bytes, std::size_t{1} << 30);
+    EXPECT_EQ(a.options().backing, BackingMode::kExpandable);
+    ContextHandle ctx = *sim->PrimaryCtxRetain(0);
+    ASSERT_TRUE(sim->CtxSetCurrent(ctx).ok());
+    absl::StatusOr<StreamHandle> s = sim->StreamCreate(kStreamNonBlocking, 0);
+    ASSERT_TRUE(s.ok()) << s.status();
+    absl::StatusOr<DevicePtr> big = a.Allocate(std::size_t{2} << 30, *s);
+    EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_NE(big.status().message().find("memory_limit_bytes"),
+              std::string::npos)
+        << big.status();
+    ASSERT_TRUE(sim->StreamDestroy(*s).ok());
+    ASSERT_TRUE(sim->PrimaryCtxRelease(0).ok());
+  }
+  EXPECT_FALSE(SetOption(OptionId::kMemoryLimit, "lots").ok());
+  ReloadOptions();
 }
 
 TEST(DeviceContext, EightSessionsShareOnePrimaryContext) {

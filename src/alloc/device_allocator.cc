@@ -82,6 +82,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "classic_backing.h"
 #include "ctxpool/core/block.h"
 #include "ctxpool/core/fork_guard.h"
 #include "ctxpool/core/fragmentation.h"
@@ -92,7 +93,6 @@
 #include "ctxpool/core/stats.h"
 #include "ctxpool/driver/cuda_errors.h"
 #include "ctxpool/status.h"
-#include "classic_backing.h"
 #include "expandable_backing.h"
 #include "segment_backing.h"
 
@@ -249,13 +249,18 @@ std::string OomReport::ToString() const {
         tenant, requested_bytes, stream.value(), growth_bytes, tenant_bytes,
         tenant_live_bytes, tenant_max_bytes);
   }
-  return absl::StrFormat(
+  std::string out = absl::StrFormat(
       "out of memory: requested %d bytes (%d rounded) on stream 0x%x; live "
       "%d bytes, reserved %d bytes, largest free block %d bytes, "
       "fragmentation %.3f; device free %d of %d bytes",
       requested_bytes, rounded_bytes, stream.value(), live_bytes,
       reserved_bytes, largest_free_bytes, fragmentation, device_free_bytes,
       device_total_bytes);
+  if (memory_limit_bytes != 0) {
+    absl::StrAppendFormat(&out, "; the allocator's memory_limit_bytes is %d",
+                          memory_limit_bytes);
+  }
+  return out;
 }
 
 class CachingDeviceAllocator::Impl {
@@ -2344,6 +2349,7 @@ class CachingDeviceAllocator::Impl {
     report->stream = StreamHandle(ss->stream);
     report->live_bytes = Current(total_.allocated_bytes);
     report->reserved_bytes = Reserved();
+    report->memory_limit_bytes = options_.memory_limit_bytes;
     // The free indexes hold mapped blocks only (unmapped virtual space is
     // not free memory), so the fragmentation stays in [0, 1].
     std::size_t largest = 0;

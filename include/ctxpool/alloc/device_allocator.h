@@ -163,6 +163,9 @@ struct OomReport {
   double fragmentation = 0.0;         // 1 − largest_free / total_free
   std::size_t device_free_bytes = 0;  // cuMemGetInfo
   std::size_t device_total_bytes = 0;
+  // DeviceAllocatorOptions::memory_limit_bytes (0: none); with a limit the
+  // allocator may run out with device memory to spare.
+  std::size_t memory_limit_bytes = 0;
   // The stream's tenant ("default" when unbound) and what it holds.
   std::string tenant;
   std::size_t tenant_bytes = 0;  // reserved (classic) / mapped (expandable)
