@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/driver/cuda_errors.h"
 #include "ctxpool/driver/sim_driver.h"
@@ -289,6 +290,83 @@ TEST_P(DeviceAllocatorFaultTest, OnOomSeesTenantMaxFailures) {
 
 INSTANTIATE_TEST_SUITE_P(Backings, DeviceAllocatorFaultTest,
                          test::kBothBackings, test::BackingName);
+
+// Expandable: a piece that can be neither given access nor unmapped stays
+// mapped on the books but is never handed out (nor extended), since touching
+// it would fault.
+class StuckPieceTest : public test::DeviceAllocatorFixture {};
+
+TEST_F(StuckPieceTest, GranuleWithoutAccessIsNeverHandedOut) {
+  DeviceAllocatorOptions o;
+  o.backing = BackingMode::kExpandable;
+  InitAllocator(64 * kMiB, o);
+  sim_->InjectFault(SimCall::kMemSetAccess, 2, cu::kErrorOutOfMemory);
+  sim_->InjectFault(SimCall::kMemUnmap, 2, cu::kErrorOutOfMemory);
+  absl::StatusOr<DevicePtr> p = alloc_->Allocate(8 * kMiB, a1_);
+  sim_->InjectFault(SimCall::kMemSetAccess, 0, 0);
+  sim_->InjectFault(SimCall::kMemUnmap, 0, 0);
+  if (p.ok()) {
+    EXPECT_TRUE(sim_->Touch(a1_, *p, 8 * kMiB).ok());
+    Free(*p);
+  }
+  for (int i = 0; i < 8; ++i) {
+    absl::StatusOr<DevicePtr> q = alloc_->Allocate(1 * kMiB, a1_);
+    ASSERT_TRUE(q.ok()) << q.status();
+    EXPECT_TRUE(sim_->Touch(a1_, *q, 1 * kMiB).ok());
+  }
+  EXPECT_EQ(sim_->misuse_count(), 0u) << sim_->misuse_log().back();
+  EXPECT_TRUE(alloc_->CheckInvariants().ok()) << alloc_->CheckInvariants();
+  EXPECT_TRUE(alloc_->Reset(true).ok());
+}
+
+TEST_F(StuckPieceTest, UnknownErrorsToo) {
+  DeviceAllocatorOptions o;
+  o.backing = BackingMode::kExpandable;
+  InitAllocator(64 * kMiB, o);
+  sim_->InjectFault(SimCall::kMemSetAccess, 2, 999);
+  sim_->InjectFault(SimCall::kMemUnmap, 2, 999);
+  EXPECT_FALSE(alloc_->Allocate(1 * kMiB, a1_).ok());
+  sim_->InjectFault(SimCall::kMemSetAccess, 0, 0);
+  sim_->InjectFault(SimCall::kMemUnmap, 0, 0);
+  absl::StatusOr<DevicePtr> q = alloc_->Allocate(1 * kMiB, a1_);
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_TRUE(sim_->Touch(a1_, *q, 1 * kMiB).ok());
+  EXPECT_EQ(sim_->misuse_count(), 0u);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok()) << alloc_->CheckInvariants();
+  Free(*q);
+  // Trim tries the stuck granule again; Reset gives everything back.
+  EXPECT_TRUE(alloc_->Reset(false).ok());
+  alloc_.reset();
+  EXPECT_EQ(sim_->used_bytes(0), 0u);
+}
+
+// Decay releases only what has been cached for idle_release_after: a stale
+// chunk pinned by a mapped granule stays, and fresh chunks are not taken in
+// its place.
+class DecayPinnedTest : public test::DeviceAllocatorFixture {};
+
+TEST_F(DecayPinnedTest, DecayNeverReleasesFreshChunks) {
+  DeviceAllocatorOptions o;
+  o.backing = BackingMode::kExpandable;
+  o.vmm_chunk_bytes = 8 * kMiB;
+  o.idle_release_after = absl::Seconds(10);
+  InitAllocator(1 * kGiB, o);
+  DevicePtr a = Alloc(12 * kMiB, a1_);  // single, 4-granule chunk, single
+  DevicePtr e = Alloc(12 * kMiB, a2_);
+  Free(a);
+  DevicePtr b = Alloc(4 * kMiB, a1_);  // keeps a granule of a's chunk mapped
+  ASSERT_TRUE(alloc_->Trim(kGiB).ok());  // a's rest cached at t=0
+  now_ += absl::Seconds(20);
+  Free(e);
+  ASSERT_TRUE(alloc_->Trim(kGiB).ok());  // e's granules cached at t=20
+  now_ += absl::Seconds(5);              // t=25: only a's single is stale
+  absl::StatusOr<TrimResult> r = alloc_->TrimIdle();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->freed_bytes, 2 * kMiB);
+  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 18 * kMiB);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  Free(b);
+}
 
 }  // namespace
 }  // namespace ctxpool

@@ -288,6 +288,15 @@ TEST(ParseAllocatorConfig, SetsKnownKeysAndRejectsOthers) {
   ASSERT_TRUE(ParseAllocatorConfig("backing=auto,memory_limit=1GiB", &o).ok());
   EXPECT_EQ(o.backing, BackingMode::kAuto);
   EXPECT_EQ(o.memory_limit_bytes, 1u << 30);
+  ASSERT_TRUE(ParseAllocatorConfig("memory_limit=0,vmm_chunk_bytes=0,"
+                                   "vmm_map_whole_chunks=true",
+                                   &o)
+                  .ok());
+  EXPECT_EQ(o.memory_limit_bytes, 0u);
+  EXPECT_EQ(o.vmm_chunk_bytes, 0u);
+  EXPECT_TRUE(o.vmm_map_whole_chunks);
+  EXPECT_FALSE(ParseAllocatorConfig("round_bytes=0", &o).ok());
+  EXPECT_FALSE(ParseAllocatorConfig("vmm_map_whole_chunks=maybe", &o).ok());
 }
 
 // driver_calls counts every SimDriver call the allocator made, by kind,

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <string>
 
@@ -136,6 +137,39 @@ TEST(SimCosts, BadTablesAreRefusedWithTheReason) {
   }
   EXPECT_EQ(LoadSimCostTable("/nonexistent/costs.json", base).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// Huge costs are refused, and the largest accepted ones saturate the
+// simulated clock instead of overflowing it.
+TEST(SimCosts, HugeCostsAreRefusedOrSaturate) {
+  EXPECT_FALSE(
+      ParseSimCostTable(R"({"cuMemCreate": {"ns": 1e15, "ns_per_mib": 1e15}})",
+                        SimCostTable{})
+          .ok());
+  absl::StatusOr<SimCostTable> t = ParseSimCostTable(
+      R"({"cuMemCreate": {"ns": 1e12, "ns_per_mib": 1e12}})", SimCostTable{});
+  ASSERT_TRUE(t.ok()) << t.status();
+  SimDeviceSpec spec = *SimDevicePreset("h100-80gb");
+  std::unique_ptr<SimDriver> sim = SimDriver::Create({.devices = {spec}});
+  sim->SetCostTable(*t);
+  auto ctx = sim->PrimaryCtxRetain(0);
+  ASSERT_TRUE(ctx.ok());
+  ASSERT_TRUE(sim->CtxSetCurrent(*ctx).ok());
+  std::int64_t last = 0;
+  for (int i = 0; i < 4; ++i) {
+    auto h = sim->MemCreate(16 * 1024 * kMiB, 0);  // 16 GiB: 1.7e16 ns each
+    ASSERT_TRUE(h.ok());
+    EXPECT_GE(sim->simulated_time_ns(), last);
+    last = sim->simulated_time_ns();
+    ASSERT_TRUE(sim->MemRelease(*h).ok());
+  }
+  for (int i = 0; i < 1000; ++i) {
+    auto h = sim->MemCreate(16 * 1024 * kMiB, 0);
+    ASSERT_TRUE(h.ok());
+    ASSERT_TRUE(sim->MemRelease(*h).ok());
+  }
+  EXPECT_EQ(sim->simulated_time_ns(), std::numeric_limits<std::int64_t>::max());
+  ASSERT_TRUE(sim->PrimaryCtxRelease(0).ok());
 }
 
 // CTXPOOL_SIM_COSTS: UseRealisticCosts loads the file over the built-in

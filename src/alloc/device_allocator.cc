@@ -46,7 +46,9 @@
 //   I11 an unmapped block is free, granule aligned, has no mapped granule,
 //       and sits in its stream's `unmapped` index (the mapped free blocks in
 //       `free`); I1's coalescing is per kind: a mapped and an unmapped free
-//       block may be neighbours.
+//       block may be neighbours. A quarantined block (mapped, no access:
+//       a failed cuMemSetAccess whose rollback failed) is free, mapped and
+//       in no index, and never coalesces.
 //
 // Hot path: Allocate looks up the stream's free index (one LowerBound), and
 // TakeBlock unlinks the block (and links a split remainder), inserts into
@@ -940,9 +942,11 @@ class CachingDeviceAllocator::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Segment* seg = b->segment;
     StreamState* ss = Owner(seg);
-    if (ABSL_PREDICT_FALSE(b->unmapped)) {
-      ss->unmapped[PoolIndex(seg->small)].Insert(b, b->size, b->address);
-      return;
+    if (ABSL_PREDICT_FALSE(b->unmapped | b->quarantined)) {
+      if (b->unmapped) {
+        ss->unmapped[PoolIndex(seg->small)].Insert(b, b->size, b->address);
+      }
+      return;  // a quarantined block is in no index
     }
     ss->free[PoolIndex(seg->small)].Insert(b, b->size, b->address);
     if (expandable_) return;  // I10
@@ -960,8 +964,8 @@ class CachingDeviceAllocator::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Segment* seg = b->segment;
     StreamState* ss = Owner(seg);
-    if (ABSL_PREDICT_FALSE(b->unmapped)) {
-      ss->unmapped[PoolIndex(seg->small)].Erase(b);
+    if (ABSL_PREDICT_FALSE(b->unmapped | b->quarantined)) {
+      if (b->unmapped) ss->unmapped[PoolIndex(seg->small)].Erase(b);
       return;
     }
     ss->free[PoolIndex(seg->small)].Erase(b);
@@ -1041,14 +1045,14 @@ class CachingDeviceAllocator::Impl {
   ABSL_ATTRIBUTE_ALWAYS_INLINE Block* Coalesce(Block* b)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (b->prev != nullptr && b->prev->state == BlockState::kFree &&
-        b->prev->unmapped == b->unmapped) {
+        b->prev->unmapped == b->unmapped && !b->prev->quarantined) {
       Block* prev = b->prev;
       Unindex(prev);
       MergeNext(prev, blocks_);
       b = prev;
     }
     if (b->next != nullptr && b->next->state == BlockState::kFree &&
-        b->next->unmapped == b->unmapped) {
+        b->next->unmapped == b->unmapped && !b->next->quarantined) {
       Unindex(b->next);
       MergeNext(b, blocks_);
     }
@@ -1810,13 +1814,33 @@ class CachingDeviceAllocator::Impl {
       NoteMapped(seg, lo, hi - lo);
       return Carve(u, lo, hi, /*to_unmapped=*/false);
     }
-    // Highest first, so that `u` still starts the unmapped rest below.
+    // Highest first, so that `u` still starts the unmapped rest below. A
+    // piece without access is quarantined: touching it would fault.
     for (auto it = stuck.rbegin(); it != stuck.rend(); ++it) {
       const std::uint64_t where = r->base + it->granule * granule_;
       NoteMapped(seg, where, it->count * granule_);
-      Carve(u, where, where + it->count * granule_, /*to_unmapped=*/false);
+      if (it->access) {
+        Carve(u, where, where + it->count * granule_, /*to_unmapped=*/false);
+      } else {
+        Quarantine(u, where, where + it->count * granule_);
+      }
     }
     return s;
+  }
+
+  // Makes [lo, hi) of unmapped block `u` (granule aligned) a quarantined
+  // block: mapped on the books, in no index, never coalesced.
+  void Quarantine(Block* u, std::uint64_t lo, std::uint64_t hi)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Unindex(u);
+    if (lo > u->address) {
+      Block* mid = SplitBlock(u, lo - u->address, blocks_);
+      Index(u);
+      u = mid;
+    }
+    if (hi < u->end()) Index(SplitBlock(u, hi - u->address, blocks_));
+    u->unmapped = false;
+    u->quarantined = true;
   }
 
   // Books [address, +bytes) of `seg` as newly mapped: stats and trace.
@@ -2111,7 +2135,8 @@ class CachingDeviceAllocator::Impl {
     std::size_t bytes() const { return hi - lo; }
   };
   static bool MappedFree(const Block* b) {
-    return b != nullptr && b->state == BlockState::kFree && !b->unmapped;
+    return b != nullptr && b->state == BlockState::kFree && !b->unmapped &&
+           !b->quarantined;
   }
   Placement Place(StreamState* ss, std::size_t rounded, bool small) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -2208,6 +2233,10 @@ class CachingDeviceAllocator::Impl {
               skip_hi);
       at = Place(ss, rounded, small);  // Reclaim reshaped the blocks
       if (at.u == nullptr) return exhausted();
+      if (t.budget.max != kNoLimit &&
+          TenantMapped(ss->tenant) + at.bytes() > t.budget.max) {
+        return TenantOom(ss, rounded, requested, at.bytes(), report, oom);
+      }
       b = MapRun(seg, at.u, at.lo, at.hi);
     }
     if (!b.ok()) {
@@ -2579,6 +2608,14 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
           add(s, &PoolStats::active_bytes, seg.small, size);
           break;
         case BlockState::kFree:
+          if (b->quarantined) {
+            if (b->linked() || b->unmapped || range == nullptr) {  // I11
+              return absl::InternalError(absl::StrFormat(
+                  "I11: quarantined block 0x%x is indexed or unmapped",
+                  b->address));
+            }
+            break;
+          }
           ++free_blocks;
           if (range == nullptr) free_bytes += b->size;
           if (!(b->unmapped ? ss->unmapped[PoolIndex(seg.small)] : index)

@@ -177,11 +177,11 @@ absl::Status ExpandableBacking::MapRun(VmmRange* r, std::size_t i0,
     } else {
       ++counters_.driver_errors;
       const std::size_t g = (at - r->base) / granule_;
-      if (!driver_.MemSetAccess(where, p.count * granule_, device_).ok()) {
-        ++counters_.driver_errors;
-      }
+      const bool access =
+          driver_.MemSetAccess(where, p.count * granule_, device_).ok();
+      if (!access) ++counters_.driver_errors;
       NotePiece(r, g, p);
-      stuck->push_back({g, p.count});
+      stuck->push_back({g, p.count, access});
     }
     at += p.count * granule_;
   }
@@ -211,8 +211,9 @@ absl::Status ExpandableBacking::UnmapPiece(VmmRange* r, std::size_t i,
   return absl::OkStatus();
 }
 
-absl::Status ExpandableBacking::Release(std::size_t keep_bytes,
-                                        std::size_t* freed) {
+template <typename Pick>
+absl::Status ExpandableBacking::ReleaseWhere(std::size_t keep_bytes,
+                                             std::size_t* freed, Pick pick) {
   absl::Status first;
   if (cache_.empty()) return first;
   const std::size_t keep = keep_bytes / granule_;
@@ -220,7 +221,9 @@ absl::Status ExpandableBacking::Release(std::size_t keep_bytes,
   std::size_t left = cache_granules_;
   for (const CachedPiece& p : cache_) {
     if (left <= keep) break;
-    if (released.contains(p.handle.value())) continue;
+    if (released.contains(p.handle.value()) || !pick(p.handle.value())) {
+      continue;
+    }
     auto it = phys_.find(p.handle.value());
     if (it == phys_.end() || it->second.mapped != 0) continue;
     absl::Status st = driver_.MemRelease(p.handle);
@@ -254,22 +257,21 @@ absl::Status ExpandableBacking::Release(std::size_t keep_bytes,
   return first;
 }
 
+absl::Status ExpandableBacking::Release(std::size_t keep_bytes,
+                                        std::size_t* freed) {
+  return ReleaseWhere(keep_bytes, freed, [](std::uint64_t) { return true; });
+}
+
 absl::Status ExpandableBacking::Decay(absl::Time cutoff, std::size_t* freed) {
   if (cache_.empty()) return absl::OkStatus();
   absl::flat_hash_set<std::uint64_t> fresh;  // a piece newer than cutoff
   for (const CachedPiece& p : cache_) {
     if (p.since > cutoff) fresh.insert(p.handle.value());
   }
-  std::size_t old = 0;
-  for (const CachedPiece& p : cache_) {
-    if (!fresh.contains(p.handle.value())) old += p.count;
-  }
-  if (old == 0) return absl::OkStatus();
-  // The stale allocations' pieces first, so they are released first.
-  std::stable_partition(
-      cache_.begin(), cache_.end(),
-      [&](const CachedPiece& p) { return !fresh.contains(p.handle.value()); });
-  return Release(cache_bytes() - old * granule_, freed);
+  // Only the stale: a stale allocation that cannot go (part of it mapped)
+  // is no reason to release a fresh one.
+  return ReleaseWhere(
+      0, freed, [&](std::uint64_t handle) { return !fresh.contains(handle); });
 }
 
 void ExpandableBacking::ReleaseAll() {

@@ -208,6 +208,7 @@ struct PhysChunk {
 struct StuckPiece {
   std::size_t granule = 0;
   std::size_t count = 0;
+  bool access = false;  // a retried cuMemSetAccess succeeded: usable
 };
 
 // What the backing did, for the allocator's Stats.
@@ -298,6 +299,10 @@ class ExpandableBacking {
   }
   absl::Status AcquirePieces(std::size_t n, bool small,
                              std::vector<CachedPiece>* pieces);
+  // Release's loop over the allocations `pick(handle)` accepts.
+  template <typename Pick>
+  absl::Status ReleaseWhere(std::size_t keep_bytes, std::size_t* freed,
+                            Pick pick);
   void NotePiece(VmmRange* r, std::size_t i, const CachedPiece& p);
   absl::Time Now() const { return now_ ? now_() : absl::Now(); }
 

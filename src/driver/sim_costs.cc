@@ -74,9 +74,9 @@ class Scanner {
       pos_ = start;
       return Error("expected a number");
     }
-    if (!(v >= 0) || v > 1e15) {
+    if (!(v >= 0) || v > 1e12) {
       pos_ = start;
-      return Error("costs must be in [0, 1e15] ns");
+      return Error("costs must be in [0, 1e12] ns (1000 s)");
     }
     return static_cast<std::int64_t>(std::llround(v));
   }

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -32,6 +33,10 @@
 
 namespace ctxpool {
 namespace sim_internal {
+
+// The simulated clocks saturate here (about 292 years).
+inline constexpr std::int64_t kMaxSimulatedNs =
+    std::numeric_limits<std::int64_t>::max();
 
 inline constexpr std::uint64_t kDeviceAddressBase = std::uint64_t{1} << 52;
 inline constexpr std::uint64_t kHandleStride = 0x10;
@@ -76,6 +81,7 @@ using sim_internal::kDeviceAddressBase;
 using sim_internal::kEventBase;
 using sim_internal::kHandleStride;
 using sim_internal::kHostPage;
+using sim_internal::kMaxSimulatedNs;
 using sim_internal::kLogCap;
 using sim_internal::kPhysicalBase;
 using sim_internal::kPriorityGreatest;
@@ -251,9 +257,14 @@ struct SimDriver::State {
     return base + (++next_handle_serial) * kHandleStride;
   }
 
+  // Adds `ns` to both clocks, saturating at kMaxSimulatedNs (a cost table
+  // of huge values must not overflow them).
+  static std::int64_t SaturatingAdd(std::int64_t a, std::int64_t b) {
+    return a > kMaxSimulatedNs - b ? kMaxSimulatedNs : a + b;
+  }
   void Charge(std::int64_t ns) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    simulated_ns += ns;
-    t_simulated_ns += ns;
+    simulated_ns = SaturatingAdd(simulated_ns, ns);
+    t_simulated_ns = SaturatingAdd(t_simulated_ns, ns);
   }
 
   // Counts the call, charges its cost and consumes an injected fault.
@@ -263,9 +274,13 @@ struct SimDriver::State {
     ++calls[i];
     std::int64_t cost = costs[i];
     if (costs_per_mib[i] != 0) {
-      cost += static_cast<std::int64_t>(static_cast<double>(costs_per_mib[i]) *
-                                        static_cast<double>(bytes) /
-                                        static_cast<double>(kMiB));
+      const double per_size = static_cast<double>(costs_per_mib[i]) *
+                              static_cast<double>(bytes) /
+                              static_cast<double>(kMiB);
+      cost =
+          SaturatingAdd(cost, per_size >= static_cast<double>(kMaxSimulatedNs)
+                                  ? kMaxSimulatedNs
+                                  : static_cast<std::int64_t>(per_size));
     }
     Charge(cost);
     if (faults[i].count > 0) {

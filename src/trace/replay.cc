@@ -592,7 +592,10 @@ absl::Status ParseAllocatorConfig(absl::string_view text,
           "large_round_bytes)"));
     }
     absl::StatusOr<std::uint64_t> bytes = ParseByteSize(value);
-    if (!bytes.ok() || *bytes == 0) {
+    // 0 means "none" for the limit and "single granules" for the chunk.
+    const bool zero_ok = field == &options->memory_limit_bytes ||
+                         field == &options->vmm_chunk_bytes;
+    if (!bytes.ok() || (*bytes == 0 && !zero_ok)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--config: bad size '", value, "' for ", key, " (e.g. 64MiB)"));
     }

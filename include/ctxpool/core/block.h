@@ -50,6 +50,10 @@ struct Block : FreeIndexNode {
   // (virtual space, no memory behind it). Such a block starts and ends on
   // granule boundaries and is never coalesced with a mapped free neighbour.
   bool unmapped = false;
+  // Expandable only: a free block over granules that stay mapped without
+  // access (a cuMemSetAccess that failed and whose rollback failed too).
+  // Never indexed, coalesced or handed out; Reset unmaps it.
+  bool quarantined = false;
   // Events still to complete before a kPendingFree block becomes kFree.
   int pending_events = 0;
   // Streams other than the owner that used the block (RecordStream).
@@ -89,6 +93,7 @@ class BlockPool {
     b->segment = nullptr;
     b->state = BlockState::kFree;
     b->unmapped = false;
+    b->quarantined = false;
     b->pending_events = 0;
     b->stream_uses.clear();
     b->next = free_;
@@ -125,6 +130,7 @@ inline Block* SplitBlock(Block* b, std::size_t size, BlockPool& pool) {
   rest->segment = b->segment;
   rest->state = b->state;
   rest->unmapped = b->unmapped;
+  rest->quarantined = b->quarantined;
   rest->prev = b;
   rest->next = b->next;
   if (b->next != nullptr) b->next->prev = rest;

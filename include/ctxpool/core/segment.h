@@ -82,7 +82,8 @@ inline absl::Status CheckSegmentTiling(const Segment& seg) {
       }
       if (b->state == BlockState::kFree &&
           b->next->state == BlockState::kFree &&
-          b->unmapped == b->next->unmapped) {
+          b->unmapped == b->next->unmapped && !b->quarantined &&
+          !b->next->quarantined) {
         return absl::InternalError(absl::StrFormat(
             "segment 0x%x: adjacent free blocks at 0x%x and 0x%x not "
             "coalesced",

@@ -19,7 +19,9 @@
 //    "work_ns": 5000, "context_create_ns": 100000000}
 //
 // Names are SimCallName's (the driver's names). Rows not in a file keep
-// their built-in value. Thread-compatible value types; the functions are
+// their built-in value; a row in it replaces the built-in one whole (a
+// field it leaves out is 0; a name given twice: the last wins). Costs are
+// in [0, 1e12] ns; the simulated clocks saturate rather than overflow. Thread-compatible value types; the functions are
 // pure apart from LoadSimCostTable reading its file.
 #ifndef CTXPOOL_DRIVER_SIM_COSTS_H_
 #define CTXPOOL_DRIVER_SIM_COSTS_H_
@@ -50,7 +52,7 @@ SimCostTable RealisticSimCosts();
 
 // Applies the JSON text over `base`: every named row replaces base's.
 // INVALID_ARGUMENT naming the offset and the problem for malformed JSON, an
-// unknown call name or a negative cost.
+// unknown call name or a cost outside [0, 1e12] ns.
 absl::StatusOr<SimCostTable> ParseSimCostTable(absl::string_view json,
                                                const SimCostTable& base);
 // Reads `path` and parses it over `base`; NOT_FOUND when it cannot be read.
