@@ -1832,15 +1832,23 @@ class CachingDeviceAllocator::Impl {
   // block: mapped on the books, in no index, never coalesced.
   void Quarantine(Block* u, std::uint64_t lo, std::uint64_t hi)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Unindex(u);
-    if (lo > u->address) {
-      Block* mid = SplitBlock(u, lo - u->address, blocks_);
-      Index(u);
-      u = mid;
+    Block* b = SplitOut(u, lo, hi);
+    b->unmapped = false;
+    b->quarantined = true;
+  }
+
+  // Splits [lo, hi) out of free block `b`: the parts outside stay as they
+  // were (indexed); the returned block covering [lo, hi) is unindexed.
+  Block* SplitOut(Block* b, std::uint64_t lo, std::uint64_t hi)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Unindex(b);
+    if (lo > b->address) {
+      Block* mid = SplitBlock(b, lo - b->address, blocks_);
+      Index(b);
+      b = mid;
     }
-    if (hi < u->end()) Index(SplitBlock(u, hi - u->address, blocks_));
-    u->unmapped = false;
-    u->quarantined = true;
+    if (hi < b->end()) Index(SplitBlock(b, hi - b->address, blocks_));
+    return b;
   }
 
   // Books [address, +bytes) of `seg` as newly mapped: stats and trace.
@@ -1861,13 +1869,7 @@ class CachingDeviceAllocator::Impl {
   // new block, coalesced with its neighbours of the same kind and indexed.
   Block* Carve(Block* b, std::uint64_t lo, std::uint64_t hi, bool to_unmapped)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Unindex(b);
-    if (lo > b->address) {
-      Block* mid = SplitBlock(b, lo - b->address, blocks_);
-      Index(b);
-      b = mid;
-    }
-    if (hi < b->end()) Index(SplitBlock(b, hi - b->address, blocks_));
+    b = SplitOut(b, lo, hi);
     b->unmapped = to_unmapped;
     b = Coalesce(b);
     Index(b);
