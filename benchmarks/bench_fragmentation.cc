@@ -201,14 +201,6 @@ struct ReplayFigures {
   }
 };
 
-std::uint64_t DriverCalls(const SimDriver& sim) {
-  std::uint64_t n = 0;
-  for (int c = 0; c < kSimCallCount; ++c) {
-    n += sim.call_count(static_cast<SimCall>(c));
-  }
-  return n;
-}
-
 // Replays `trace` `passes` times, one pass after the other, on one allocator
 // over a fresh simulated device of `capacity` (the same streams throughout);
 // returns the figures of each pass. Each pass honours the trace's trim
@@ -299,7 +291,7 @@ absl::StatusOr<std::vector<ReplayFigures>> ReplayPasses(Impl impl,
         ++f.trim_points;
         return absl::OkStatus();
       };
-      const std::uint64_t calls_start = DriverCalls(*sim);
+      const std::uint64_t calls_start = sim->total_call_count();
       const std::int64_t ns_start = sim->simulated_time_ns();
       for (const TraceEvent& e : trace.events()) {
         if (!status.ok()) break;
@@ -336,7 +328,7 @@ absl::StatusOr<std::vector<ReplayFigures>> ReplayPasses(Impl impl,
         }
       }
       if (status.ok()) {
-        f.driver_calls = DriverCalls(*sim) - calls_start;
+        f.driver_calls = sim->total_call_count() - calls_start;
         f.sim_driver_ns = sim->simulated_time_ns() - ns_start;
         f.end_live = live_bytes;
         if (pass + 1 == passes) status = trim_point();

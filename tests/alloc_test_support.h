@@ -181,11 +181,7 @@ inline std::vector<StreamHandle> RunOnThreads(
 
 // Every call the simulator has seen (SimDriver counts each kind).
 inline std::uint64_t TotalDriverCalls(const SimDriver& sim) {
-  std::uint64_t n = 0;
-  for (int i = 0; i < kSimCallCount; ++i) {
-    n += sim.call_count(static_cast<SimCall>(i));
-  }
-  return n;
+  return sim.total_call_count();
 }
 
 // The error of ForkGuard::Check for `call` in a forked child.

@@ -354,7 +354,7 @@ TEST_F(DecayPinnedTest, DecayNeverReleasesFreshChunks) {
   DevicePtr a = Alloc(12 * kMiB, a1_);  // single, 4-granule chunk, single
   DevicePtr e = Alloc(12 * kMiB, a2_);
   Free(a);
-  DevicePtr b = Alloc(4 * kMiB, a1_);  // keeps a granule of a's chunk mapped
+  DevicePtr b = Alloc(4 * kMiB, a1_);    // keeps a granule of a's chunk mapped
   ASSERT_TRUE(alloc_->Trim(kGiB).ok());  // a's rest cached at t=0
   now_ += absl::Seconds(20);
   Free(e);

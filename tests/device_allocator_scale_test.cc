@@ -72,8 +72,8 @@ TEST_F(ExpandableScaleTest, HostMemoryFollowsMappedBytesNotCapacity) {
 }
 
 // Trim(0) of a large granule cache releases every physical allocation,
-// oldest first, in one pass (the figure for its cost is in ctxpool_bench_hotpath's
-// BM_TrimGranuleCache).
+// oldest first, in one pass (the figure for its cost is in
+// ctxpool_bench_hotpath's BM_TrimGranuleCache).
 TEST_F(ExpandableScaleTest, TrimReleasesTheWholeGranuleCache) {
   Init(64 * kGiB);
   std::vector<DevicePtr> live;

@@ -55,14 +55,6 @@ using ::testing::HasSubstr;
 
 constexpr std::size_t kSmallSeg = 2 * kMiB;
 
-std::uint64_t TotalCalls(const SimDriver& sim) {
-  std::uint64_t n = 0;
-  for (int i = 0; i < kSimCallCount; ++i) {
-    n += sim.call_count(static_cast<SimCall>(i));
-  }
-  return n;
-}
-
 std::uint64_t SyncCalls(const SimDriver& sim) {
   return sim.call_count(SimCall::kEventSynchronize) +
          sim.call_count(SimCall::kStreamSynchronize) +
@@ -135,13 +127,13 @@ TEST_F(DeviceAllocatorTest, CachedBlockIsReusedWithoutDriverCalls) {
   EXPECT_EQ(info->stream, s1_);
   EXPECT_EQ(info->state, BlockState::kAllocated);
   Free(p);
-  const std::uint64_t calls = TotalCalls(*sim_);
+  const std::uint64_t calls = sim_->total_call_count();
   for (int i = 0; i < 100; ++i) {
     DevicePtr q = Alloc(1000, s1_);
     EXPECT_EQ(q, p);
     Free(q);
   }
-  EXPECT_EQ(TotalCalls(*sim_), calls);  // the hot path calls no driver
+  EXPECT_EQ(sim_->total_call_count(), calls);  // the hot path calls no driver
   DeviceAllocatorStats st = alloc_->Stats();
   EXPECT_EQ(st.upstream_allocs, 1);
   EXPECT_EQ(st.cache_hits, 100);

@@ -227,24 +227,6 @@ TEST_F(VmmTest, TraceRecorderSeesAllocatorEvents) {
   EXPECT_EQ(t.events().back().size, kGranule);
 }
 
-// Every driver call the allocator made since `before` (all kinds), from
-// SimDriver's own counters.
-std::uint64_t CallsSince(const SimDriver& sim,
-                         const std::vector<std::uint64_t>& before) {
-  std::uint64_t n = 0;
-  for (int c = 0; c < kSimCallCount; ++c) {
-    n += sim.call_count(static_cast<SimCall>(c)) - before[c];
-  }
-  return n;
-}
-std::vector<std::uint64_t> CallCounts(const SimDriver& sim) {
-  std::vector<std::uint64_t> v(kSimCallCount);
-  for (int c = 0; c < kSimCallCount; ++c) {
-    v[c] = sim.call_count(static_cast<SimCall>(c));
-  }
-  return v;
-}
-
 // A random mix of 512 B - 64 MiB blocks over two streams, at most 64 live.
 class Mix {
  public:
@@ -284,10 +266,10 @@ TEST_F(VmmTest, SteadyStateTargets) {
   auto free = [&](DevicePtr p) { Free(p); };
   for (int i = 0; i < 20000; ++i) mix.Step(alloc, free);
   alloc_->ResetPeakStats();
-  const std::vector<std::uint64_t> before = CallCounts(*sim_);
+  const std::uint64_t before = sim_->total_call_count();
   constexpr int kOps = 20000;
   for (int i = 0; i < kOps; ++i) mix.Step(alloc, free);
-  const std::uint64_t warm_calls = CallsSince(*sim_, before);
+  const std::uint64_t warm_calls = sim_->total_call_count() - before;
   // Without pressure nothing is unmapped, warm or cold.
   EXPECT_EQ(sim_->call_count(SimCall::kMemUnmap), 0u);
   DeviceAllocatorStats st = alloc_->Stats();
@@ -314,9 +296,9 @@ TEST_F(VmmTest, SteadyStateTargets) {
 TEST_F(VmmTest, WarmLoopMakesNoDriverCall) {
   for (std::size_t bytes : {std::size_t{4096}, 3 * kMiB, 100 * kMiB}) {
     Free(Alloc(bytes, a1_));
-    const std::vector<std::uint64_t> before = CallCounts(*sim_);
+    const std::uint64_t before = sim_->total_call_count();
     for (int i = 0; i < 1000; ++i) Free(Alloc(bytes, a1_));
-    EXPECT_EQ(CallsSince(*sim_, before), 0u) << bytes << " bytes";
+    EXPECT_EQ(sim_->total_call_count() - before, 0u) << bytes << " bytes";
   }
   EXPECT_TRUE(alloc_->CheckInvariants().ok());
 }
@@ -334,10 +316,10 @@ TEST_F(VmmTest, GrowthExtendsMappedFreeBlocksWithoutUnmapping) {
   Free(b);
   Free(c);
   // The 12 MiB now fits in the mapped free memory: nothing new.
-  const std::vector<std::uint64_t> before = CallCounts(*sim_);
+  const std::uint64_t before = sim_->total_call_count();
   Free(Alloc(12 * kMiB, a1_));
   Free(Alloc(25 * kMiB, a1_));
-  EXPECT_EQ(CallsSince(*sim_, before), 0u);
+  EXPECT_EQ(sim_->total_call_count() - before, 0u);
   EXPECT_TRUE(alloc_->CheckInvariants().ok());
 }
 

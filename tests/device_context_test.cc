@@ -28,14 +28,6 @@ DeviceContextOptions Plain() {
   return o;
 }
 
-std::uint64_t TotalCalls(const SimDriver& sim) {
-  std::uint64_t n = 0;
-  for (int i = 0; i < kSimCallCount; ++i) {
-    n += sim.call_count(static_cast<SimCall>(i));
-  }
-  return n;
-}
-
 // CTXPOOL_MEMORY_LIMIT (and CTXPOOL_BACKING=auto) reach the device
 // allocator through the option table; a bad value is refused.
 TEST(DeviceContext, OptionTableSetsTheMemoryLimit) {
@@ -349,7 +341,7 @@ TEST(DeviceContext, DestructionReturnsEverything) {
   EXPECT_EQ(sim->call_count(SimCall::kEventDestroy),
             sim->call_count(SimCall::kEventCreate));
   EXPECT_EQ(sim->misuse_count(), 0u) << sim->misuse_log().front();
-  EXPECT_GT(TotalCalls(*sim), 0u);
+  EXPECT_GT(sim->total_call_count(), 0u);
 }
 
 TEST(DeviceContext, HostAndSlabAllocatorsShareThePrimaryContext) {

@@ -436,18 +436,15 @@ class FaultSweepTest : public ::testing::TestWithParam<Kind> {
   // The call kinds the workload makes, from a clean run.
   std::vector<SimCall> CallsMade() {
     std::unique_ptr<Subject> s = Make(GetParam());
-    std::vector<std::uint64_t> before(kSimCallCount);
-    for (int c = 0; c < kSimCallCount; ++c) {
-      before[c] = s->sim().call_count(static_cast<SimCall>(c));
-    }
+    const auto before = s->sim().call_counts();
     for (const auto& step : s->steps()) step();
     EXPECT_TRUE(s->Check().ok()) << s->Check();
     EXPECT_TRUE(s->ResetForce().ok());
     s->Destroy();
+    const auto after = s->sim().call_counts();
     std::vector<SimCall> made;
     for (int c = 0; c < kSimCallCount; ++c) {
-      const auto call = static_cast<SimCall>(c);
-      if (s->sim().call_count(call) > before[c]) made.push_back(call);
+      if (after[c] > before[c]) made.push_back(static_cast<SimCall>(c));
     }
     return made;
   }

@@ -21,14 +21,6 @@
 namespace ctxpool {
 namespace {
 
-std::uint64_t TotalCalls(const SimDriver& sim) {
-  std::uint64_t n = 0;
-  for (int i = 0; i < kSimCallCount; ++i) {
-    n += sim.call_count(static_cast<SimCall>(i));
-  }
-  return n;
-}
-
 bool IsForkError(const absl::Status& s) {
   return s.code() == absl::StatusCode::kFailedPrecondition &&
          s.message().find("forked") != absl::string_view::npos &&
@@ -38,7 +30,7 @@ bool IsForkError(const absl::Status& s) {
 // Runs in the child. Returns 0, or the number of the first failed check.
 int ChildChecks(std::unique_ptr<Runtime> rt, SimDriver* sim,
                 std::unique_ptr<ModelSession> session, DevicePtr live) {
-  const std::uint64_t calls = TotalCalls(*sim);
+  const std::uint64_t calls = sim->total_call_count();
   const std::uint64_t misuse = sim->misuse_count();
   DeviceContext* dc = nullptr;
   if (!rt->InForkedChild()) return 1;
@@ -63,12 +55,12 @@ int ChildChecks(std::unique_ptr<Runtime> rt, SimDriver* sim,
   if (!IsForkError(dc->GetContextReport().status())) return 13;
   if (!IsForkError(dc->SetContextLimits({}).status())) return 14;
   if (!IsForkError(session->Close())) return 15;
-  if (TotalCalls(*sim) != calls) return 16;
+  if (sim->total_call_count() != calls) return 16;
   // Destructors: no driver call. The Runtime leaks the driver in the child,
   // so `sim` stays readable after the Runtime is gone.
   session.reset();
   rt.reset();
-  if (TotalCalls(*sim) != calls) return 17;
+  if (sim->total_call_count() != calls) return 17;
   if (sim->misuse_count() != misuse) return 18;
   if (sim->primary_ctx_refcount(0) != 1) return 19;  // never released here
   // The fix the error message recommends: a Runtime created in the worker.
@@ -96,7 +88,7 @@ TEST(Fork, ChildGetsFailedPreconditionAndMakesNoDriverCall) {
   ASSERT_TRUE(session.ok());
   auto live = (*session)->Allocate(4 << 20, (*session)->stream(0), "weights");
   ASSERT_TRUE(live.ok());
-  const std::uint64_t parent_calls = TotalCalls(*sim);
+  const std::uint64_t parent_calls = sim->total_call_count();
 
   std::fflush(nullptr);
   const pid_t pid = fork();
@@ -112,7 +104,7 @@ TEST(Fork, ChildGetsFailedPreconditionAndMakesNoDriverCall) {
 
   // The parent is untouched by the child's attempts.
   EXPECT_FALSE((*rt)->InForkedChild());
-  EXPECT_EQ(TotalCalls(*sim), parent_calls);
+  EXPECT_EQ(sim->total_call_count(), parent_calls);
   EXPECT_TRUE((*session)->Deallocate(*live).ok());
   EXPECT_TRUE((*session)->Close().ok());
   EXPECT_EQ(sim->misuse_count(), 0u);

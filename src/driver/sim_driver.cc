@@ -408,6 +408,17 @@ std::uint64_t SimDriver::call_count(SimCall call) const {
   return state_->calls[i];
 }
 
+std::array<std::uint64_t, kSimCallCount> SimDriver::call_counts() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->calls;
+}
+
+std::uint64_t SimDriver::total_call_count() const {
+  std::uint64_t n = 0;
+  for (std::uint64_t c : call_counts()) n += c;
+  return n;
+}
+
 std::size_t SimDriver::used_bytes(int device) const {
   absl::MutexLock lock(&state_->mu);
   if (device < 0 || device >= static_cast<int>(state_->devices.size()))

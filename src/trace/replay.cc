@@ -1,6 +1,7 @@
 #include "ctxpool/trace/replay.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -88,24 +89,19 @@ class ReplayRun {
   // After Trim(0) at event `index`: records reserved − live and the streams
   // with live blocks (ReplayResult::max_trim_residual_*).
   void MeasureTrimPoint(std::size_t index, std::size_t active_streams);
-  // SimDriver's call counters now (empty on another driver).
-  std::vector<std::uint64_t> CallCounts() const {
-    std::vector<std::uint64_t> v;
-    if (sim_ == nullptr) return v;
-    v.resize(kSimCallCount);
-    for (int c = 0; c < kSimCallCount; ++c) {
-      v[c] = sim_->call_count(static_cast<SimCall>(c));
-    }
-    return v;
+  // SimDriver's call counters now (all zero on another driver).
+  std::array<std::uint64_t, kSimCallCount> CallCounts() const {
+    if (sim_ == nullptr) return {};
+    return sim_->call_counts();
   }
   // The calls made since `before`, by name (name order, non-zero only).
-  void CallsSince(const std::vector<std::uint64_t>& before,
+  void CallsSince(const std::array<std::uint64_t, kSimCallCount>& before,
                   std::vector<std::pair<std::string, std::uint64_t>>* out,
                   std::uint64_t* total) const {
     out->clear();
     *total = 0;
-    const std::vector<std::uint64_t> now = CallCounts();
-    for (std::size_t c = 0; c < now.size() && c < before.size(); ++c) {
+    const std::array<std::uint64_t, kSimCallCount> now = CallCounts();
+    for (std::size_t c = 0; c < now.size(); ++c) {
       const std::uint64_t d = now[c] - before[c];
       if (d == 0) continue;
       out->emplace_back(std::string(SimCallName(static_cast<SimCall>(c))), d);
@@ -201,7 +197,7 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
   result_.backing = alloc_->options().backing == BackingMode::kExpandable
                         ? "expandable"
                         : "classic";
-  const std::vector<std::uint64_t> calls_at_start = CallCounts();
+  const std::array<std::uint64_t, kSimCallCount> calls_at_start = CallCounts();
   const std::int64_t driver_ns_at_start =
       sim_ != nullptr ? sim_->simulated_time_ns() : 0;
   if (sim_ != nullptr) {
@@ -238,7 +234,7 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
 
   const int passes = std::max(1, config_.passes);
   for (int pass = 0; pass < passes && !result_.stopped_at_oom; ++pass) {
-    const std::vector<std::uint64_t> calls_at_pass = CallCounts();
+    const std::array<std::uint64_t, kSimCallCount> calls_at_pass = CallCounts();
     const std::int64_t driver_ns_at_pass =
         sim_ != nullptr ? sim_->simulated_time_ns() : 0;
     const std::uint64_t ops_at_pass = result_.ops;

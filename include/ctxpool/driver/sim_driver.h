@@ -271,6 +271,9 @@ class SimDriver final : public Driver {
 
   // ---- Counters ------------------------------------------------------------
   std::uint64_t call_count(SimCall call) const;
+  // Every kind's count, read at once (index: the SimCall), and their sum.
+  std::array<std::uint64_t, kSimCallCount> call_counts() const;
+  std::uint64_t total_call_count() const;
   // Physical device memory in use: cuMemAlloc + cuMemCreate + contexts.
   std::size_t used_bytes(int device) const;
   std::size_t peak_used_bytes(int device) const;
