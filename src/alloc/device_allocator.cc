@@ -1333,14 +1333,8 @@ class CachingDeviceAllocator::Impl {
   absl::StatusOr<Block*> NewSegment(StreamState* ss, std::size_t bytes,
                                     bool small)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const std::size_t limit = options_.memory_limit_bytes;
-    if (limit != 0 && Reserved() + bytes > limit) {
-      return DriverError(
-          cu::kErrorOutOfMemory, "cuMemAlloc",
-          absl::StrFormat("memory_limit_bytes (%d) reached: the allocator "
-                          "holds %d bytes and needs %d more",
-                          limit, Reserved(), bytes));
-    }
+    CTXPOOL_RETURN_IF_ERROR(alloc_internal::CheckMemoryLimit(
+        "cuMemAlloc", options_.memory_limit_bytes, Reserved(), bytes));
     CTXPOOL_ASSIGN_OR_RETURN(BackedRange range, backing_->Allocate(bytes));
     ++upstream_allocs_;
     auto seg = std::make_unique<DeviceSegment>();

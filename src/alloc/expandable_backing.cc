@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "ctxpool/driver/cuda_errors.h"
 #include "ctxpool/status.h"
+#include "segment_backing.h"
 
 namespace ctxpool {
 namespace alloc_internal {
@@ -72,16 +73,10 @@ absl::Status ExpandableBacking::AcquirePieces(
     pieces->push_back(p);
   }
   if (got == n) return absl::OkStatus();
-  const std::size_t limit = options_.memory_limit_bytes;
-  const std::size_t held =
-      (mapped_granules_ + cache_granules_ + got) * granule_;
-  if (limit != 0 && held + (n - got) * granule_ > limit) {
-    return DriverError(
-        cu::kErrorOutOfMemory, "cuMemCreate",
-        absl::StrFormat("memory_limit_bytes (%d) reached: the allocator "
-                        "holds %d bytes and needs %d more",
-                        limit, held, (n - got) * granule_));
-  }
+  CTXPOOL_RETURN_IF_ERROR(
+      CheckMemoryLimit("cuMemCreate", options_.memory_limit_bytes,
+                       (mapped_granules_ + cache_granules_ + got) * granule_,
+                       (n - got) * granule_));
   const std::size_t chunk =
       small ? 1 : std::max<std::size_t>(1, options_.chunk_bytes / granule_);
   std::size_t chunked_lo = n, chunked_hi = n;  // created in chunks

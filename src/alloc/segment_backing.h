@@ -18,7 +18,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
+#include "ctxpool/driver/cuda_errors.h"
 #include "ctxpool/driver/driver.h"
+#include "ctxpool/status.h"
 
 namespace ctxpool {
 namespace alloc_internal {
@@ -29,6 +33,20 @@ struct BackedRange {
   std::size_t size = 0;
   std::uint64_t handle = 0;  // backing-specific (unused by ClassicBacking)
 };
+
+// Growth of `need` bytes on top of the `held` bytes an allocator holds
+// against its DeviceAllocatorOptions::memory_limit_bytes `limit` (0: none):
+// OK, or the driver's out-of-memory error for `call` naming the limit, so
+// that the allocator reclaims and reports as when the device runs out.
+inline absl::Status CheckMemoryLimit(absl::string_view call, std::size_t limit,
+                                     std::size_t held, std::size_t need) {
+  if (limit == 0 || held + need <= limit) return absl::OkStatus();
+  return DriverError(
+      cu::kErrorOutOfMemory, call,
+      absl::StrFormat("memory_limit_bytes (%d) reached: the allocator holds "
+                      "%d bytes and needs %d more",
+                      limit, held, need));
+}
 
 class SegmentBacking {
  public:
