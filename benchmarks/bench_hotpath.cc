@@ -6,14 +6,25 @@
 //                         seed 42 (a request stream that hits every pool)
 // Each is run with 1 and 2 threads; each thread uses its own stream (the
 // server case: one stream per request worker). One block is live per thread:
-// the loop is Allocate(size, stream) then Deallocate at once.
+// the loop is Allocate(size, stream) then Deallocate at once. The
+// BM_HotpathShared rows run 2 threads on ONE stream (workers sharing a
+// stream).
 //
-// Implementations, in the same run and on the same SimDriver (race detection
-// off, zero cost model):
+// Implementations, in the same run and on SimDrivers (race detection off,
+// zero cost model):
 //   ctxpool  ctxpool::CachingDeviceAllocator, default options (classic
 //            backing: one cuMemAlloc'd segment per block group)
 //   ctxpool-vmm  the same with the expandable (VMM) backing, which
 //            DeviceContext and the PyTorch plugin use by default
+//   session  ModelSession::Allocate/Deallocate on a DeviceContext
+//            (expandable backing), a session of 2 streams, one per thread:
+//            the path a C++ server calls
+//   plugin   libctxpool_torch.so through its C ABI, dlopened as PyTorch's
+//            CUDAPluggableAllocator does (ctxpool_try_malloc / ctxpool_free,
+//            CTXPOOL_DRIVER=sim:h100-80gb, CTXPOOL_BACKING=auto, the
+//            default model's session, 2 streams from ctxpool_model_stream):
+//            the path PyTorch calls. --plugin=PATH names the library
+//            (default: the one built with this benchmark); absent: no rows.
 //   cub      cub::CachingDeviceAllocator via the CUDA-runtime shim
 //            (benchmarks/peers/), bins 8^3..8^8 (512 B .. 16 MiB), no cache
 //            cap, so every mix is served from its cache too. Its hot path
@@ -29,7 +40,9 @@
 // wall_ns_per_pair (wall time per pair as one thread sees it, including
 // sleeping lock waits and preemption). After the runs a table compares the
 // implementations (median of repetitions when --benchmark_repetitions is
-// given):
+// given), and a second table compares the paths users call — session and
+// plugin against the bare expandable allocator and CUB, and each path's
+// two-thread cost against its one-thread cost:
 //
 //   ctxpool_bench_hotpath --benchmark_repetitions=5
 //                         --benchmark_report_aggregates_only=true
@@ -39,6 +52,8 @@
 // --smoke additionally checks both allocators for correctness before the
 // runs. The process exits non-zero when a run fails, a check fails, or the
 // simulated driver counted a misuse (this is the cub_peer_smoke ctest).
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -66,6 +81,8 @@
 #include "absl/synchronization/mutex.h"
 #include "benchmark/benchmark.h"
 #include "ctxpool/alloc/device_allocator.h"
+#include "ctxpool/context/device_context.h"
+#include "ctxpool/context/model_session.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "ctxpool/driver/types.h"
 #include "support/forwarding_reporter.h"
@@ -74,6 +91,12 @@
 #include "peers/cub_peer.h"
 #include "peers/cuda_runtime_shim.h"
 #endif
+#ifndef CTXPOOL_TORCH_PLUGIN_PATH
+#define CTXPOOL_TORCH_PLUGIN_PATH ""
+#endif
+
+// The plugin's stream type, as plugins/torch/ctxpool_torch.h declares it.
+typedef struct CUstream_st* cudaStream_t;
 
 namespace ctxpool {
 namespace {
@@ -115,9 +138,66 @@ const std::vector<Mix>& Mixes() {
   return *mixes;
 }
 
-enum class Impl : int { kCtxpool = 0, kCub = 1, kCtxpoolVmm = 2 };
-constexpr std::array<const char*, 3> kImplNames = {"ctxpool", "cub",
-                                                   "ctxpool-vmm"};
+enum class Impl : int {
+  kCtxpool = 0,
+  kCub = 1,
+  kCtxpoolVmm = 2,
+  kSession = 3,
+  kPlugin = 4
+};
+constexpr std::array<const char*, 5> kImplNames = {
+    "ctxpool", "cub", "ctxpool-vmm", "session", "plugin"};
+
+// ---- The PyTorch plugin's C ABI, dlopened -----------------------------------
+
+struct PluginApi {
+  void* (*try_malloc)(size_t, int, cudaStream_t) = nullptr;
+  void (*free)(void*, size_t, int, cudaStream_t) = nullptr;
+  const char* (*memory_stats)(int) = nullptr;
+  cudaStream_t (*model_stream)(int, int) = nullptr;
+  const char* (*last_error)() = nullptr;
+  int (*shutdown)(int) = nullptr;
+};
+PluginApi* plugin = nullptr;  // set in main when the library loads
+
+absl::Status LoadPlugin(const std::string& path) {
+  if (path.empty()) return absl::NotFoundError("no plugin library named");
+  // The plugin's own simulated device, streams and sessions.
+  setenv("CTXPOOL_DRIVER", "sim:h100-80gb", 1);
+  setenv("CTXPOOL_BACKING", "auto", 1);
+  setenv("CTXPOOL_SESSION_STREAMS", "2", 1);
+  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (h == nullptr) {
+    return absl::NotFoundError(absl::StrCat("dlopen(", path, "): ", dlerror()));
+  }
+  auto api = std::make_unique<PluginApi>();
+  api->try_malloc = reinterpret_cast<decltype(api->try_malloc)>(
+      dlsym(h, "ctxpool_try_malloc"));
+  api->free = reinterpret_cast<decltype(api->free)>(dlsym(h, "ctxpool_free"));
+  api->memory_stats = reinterpret_cast<decltype(api->memory_stats)>(
+      dlsym(h, "ctxpool_memory_stats"));
+  api->model_stream = reinterpret_cast<decltype(api->model_stream)>(
+      dlsym(h, "ctxpool_model_stream"));
+  api->last_error = reinterpret_cast<decltype(api->last_error)>(
+      dlsym(h, "ctxpool_last_error"));
+  api->shutdown =
+      reinterpret_cast<decltype(api->shutdown)>(dlsym(h, "ctxpool_shutdown"));
+  if (!api->try_malloc || !api->free || !api->memory_stats ||
+      !api->model_stream || !api->last_error || !api->shutdown) {
+    return absl::NotFoundError(
+        absl::StrCat(path, " lacks a ctxpool_* function"));
+  }
+  plugin = api.release();
+  return absl::OkStatus();
+}
+
+// The integer after "key": in a JSON object; -1 if absent.
+std::int64_t JsonInt(absl::string_view json, absl::string_view key) {
+  const std::string needle = absl::StrCat("\"", key, "\":");
+  const std::size_t at = json.find(needle);
+  if (at == absl::string_view::npos) return -1;
+  return std::strtoll(json.data() + at + needle.size(), nullptr, 10);
+}
 
 // ---- The process-wide simulated device -------------------------------------
 
@@ -166,9 +246,12 @@ class Allocator {
   virtual ~Allocator() = default;
   virtual absl::StatusOr<DevicePtr> Allocate(std::size_t bytes,
                                              StreamHandle stream) = 0;
-  virtual absl::Status Deallocate(DevicePtr ptr) = 0;
+  // `bytes` as allocated (the plugin's free checks it, as PyTorch passes it).
+  virtual absl::Status Deallocate(DevicePtr ptr, std::size_t bytes) = 0;
   // Nothing live, internal invariants hold.
   virtual absl::Status CheckIdle() = 0;
+  // The stream of benchmark thread `t`.
+  virtual StreamHandle stream(int t) const { return env->streams[t]; }
 };
 
 class CtxpoolAllocator final : public Allocator {
@@ -179,7 +262,7 @@ class CtxpoolAllocator final : public Allocator {
                                      StreamHandle stream) override {
     return a_->Allocate(bytes, stream);
   }
-  absl::Status Deallocate(DevicePtr ptr) override {
+  absl::Status Deallocate(DevicePtr ptr, std::size_t) override {
     return a_->Deallocate(ptr);
   }
   absl::Status CheckIdle() override {
@@ -202,6 +285,94 @@ class CtxpoolAllocator final : public Allocator {
   std::unique_ptr<CachingDeviceAllocator> a_;
 };
 
+// ModelSession's front end on a DeviceContext of the shared SimDriver.
+class SessionAllocator final : public Allocator {
+ public:
+  static absl::StatusOr<std::unique_ptr<Allocator>> Create() {
+    DeviceContextOptions o;
+    o.use_option_table = false;
+    o.stream_pool_reserve = 0;
+    o.allocator.backing = BackingMode::kExpandable;
+    auto a = std::unique_ptr<SessionAllocator>(new SessionAllocator());
+    CTXPOOL_ASSIGN_OR_RETURN(a->dc_, DeviceContext::Create(*env->sim, 0, o));
+    CTXPOOL_ASSIGN_OR_RETURN(a->session_,
+                             a->dc_->OpenSession("bench", {.streams = 2}));
+    return std::unique_ptr<Allocator>(std::move(a));
+  }
+  ~SessionAllocator() override {
+    if (session_ != nullptr) session_->Close().IgnoreError();
+  }
+  absl::StatusOr<DevicePtr> Allocate(std::size_t bytes,
+                                     StreamHandle stream) override {
+    return session_->Allocate(bytes, stream);
+  }
+  absl::Status Deallocate(DevicePtr ptr, std::size_t) override {
+    return session_->Deallocate(ptr);
+  }
+  absl::Status CheckIdle() override {
+    CTXPOOL_RETURN_IF_ERROR(dc_->device_allocator().CheckInvariants());
+    const SessionStats st = session_->Stats();
+    if (st.live_allocations != 0 || st.invalid_frees != 0) {
+      return absl::InternalError(absl::StrCat("session: ", st.live_allocations,
+                                              " live, ", st.invalid_frees,
+                                              " invalid frees"));
+    }
+    return absl::OkStatus();
+  }
+  StreamHandle stream(int t) const override { return session_->stream(t); }
+
+ private:
+  SessionAllocator() = default;
+  std::unique_ptr<DeviceContext> dc_;
+  std::unique_ptr<ModelSession> session_;
+};
+
+// The plugin's C ABI (its own simulated device; a fresh state per run).
+class PluginAllocator final : public Allocator {
+ public:
+  static absl::StatusOr<std::unique_ptr<Allocator>> Create() {
+    if (plugin == nullptr) {
+      return absl::UnavailableError("the plugin library was not loaded");
+    }
+    if (plugin->shutdown(/*force=*/0) != 0) {
+      return absl::InternalError(plugin->last_error());
+    }
+    auto a = std::unique_ptr<PluginAllocator>(new PluginAllocator());
+    for (int t = 0; t < kMaxThreads; ++t) {
+      cudaStream_t s = plugin->model_stream(0, t);
+      if (s == nullptr) return absl::InternalError(plugin->last_error());
+      a->streams_[t] = StreamHandle::From(s);
+    }
+    return std::unique_ptr<Allocator>(std::move(a));
+  }
+  absl::StatusOr<DevicePtr> Allocate(std::size_t bytes,
+                                     StreamHandle stream) override {
+    void* p = plugin->try_malloc(bytes, 0, stream.as<cudaStream_t>());
+    if (ABSL_PREDICT_FALSE(p == nullptr)) {
+      return absl::InternalError(plugin->last_error());
+    }
+    return DevicePtr::From(p);
+  }
+  absl::Status Deallocate(DevicePtr ptr, std::size_t bytes) override {
+    plugin->free(ptr.get(), bytes, 0, nullptr);
+    return absl::OkStatus();  // refusals are counted: CheckIdle sees them
+  }
+  absl::Status CheckIdle() override {
+    const char* json = plugin->memory_stats(0);
+    if (json == nullptr) return absl::InternalError(plugin->last_error());
+    if (JsonInt(json, "allocation.all.current") != 0 ||
+        JsonInt(json, "num_invalid_frees") != 0) {
+      return absl::InternalError(absl::StrCat("plugin: ", json));
+    }
+    return absl::OkStatus();
+  }
+  StreamHandle stream(int t) const override { return streams_[t]; }
+
+ private:
+  PluginAllocator() = default;
+  std::array<StreamHandle, kMaxThreads> streams_;
+};
+
 #if defined(CTXPOOL_HAVE_CUB_PEER)
 class CubAllocator final : public Allocator {
  public:
@@ -214,7 +385,7 @@ class CubAllocator final : public Allocator {
                                      StreamHandle stream) override {
     return a_->Allocate(bytes, stream);
   }
-  absl::Status Deallocate(DevicePtr ptr) override {
+  absl::Status Deallocate(DevicePtr ptr, std::size_t) override {
     return a_->Deallocate(ptr);
   }
   absl::Status CheckIdle() override {
@@ -232,6 +403,8 @@ class CubAllocator final : public Allocator {
 #endif
 
 absl::StatusOr<std::unique_ptr<Allocator>> MakeAllocator(Impl impl) {
+  if (impl == Impl::kSession) return SessionAllocator::Create();
+  if (impl == Impl::kPlugin) return PluginAllocator::Create();
   if (impl == Impl::kCtxpool || impl == Impl::kCtxpoolVmm) {
     DeviceAllocatorOptions o;
     if (impl == Impl::kCtxpoolVmm) o.backing = BackingMode::kExpandable;
@@ -266,16 +439,15 @@ absl::Status Warm(Allocator& a, const Mix& mix, int threads) {
   for (int t = 0; t < threads; ++t) {
     for (int round = 0; round < 2; ++round) {
       for (std::size_t bytes : mix.sizes) {
-        CTXPOOL_ASSIGN_OR_RETURN(DevicePtr p,
-                                 a.Allocate(bytes, env->streams[t]));
-        CTXPOOL_RETURN_IF_ERROR(a.Deallocate(p));
+        CTXPOOL_ASSIGN_OR_RETURN(DevicePtr p, a.Allocate(bytes, a.stream(t)));
+        CTXPOOL_RETURN_IF_ERROR(a.Deallocate(p, bytes));
       }
     }
   }
   return a.CheckIdle();
 }
 
-template <Impl kImpl, int kMix>
+template <Impl kImpl, int kMix, bool kShared>
 void SetupRun(const benchmark::State& state) {
   current.reset();
   absl::StatusOr<std::unique_ptr<Allocator>> a = MakeAllocator(kImpl);
@@ -284,10 +456,10 @@ void SetupRun(const benchmark::State& state) {
     return;
   }
   current = *std::move(a);
-  current_status = Warm(*current, Mixes()[kMix], state.threads());
+  current_status = Warm(*current, Mixes()[kMix], kShared ? 1 : state.threads());
 }
 
-template <Impl kImpl, int kMix>
+template <Impl kImpl, int kMix, bool kShared>
 void TeardownRun(const benchmark::State&) {
   if (current != nullptr && current_status.ok()) {
     current_status = current->CheckIdle();
@@ -298,7 +470,7 @@ void TeardownRun(const benchmark::State&) {
   current.reset();
 }
 
-template <Impl kImpl, int kMix>
+template <Impl kImpl, int kMix, bool kShared>
 void RunHotpath(benchmark::State& state) {
   if (!current_status.ok() || current == nullptr) {
     state.SkipWithError(current_status.ToString().c_str());
@@ -307,7 +479,7 @@ void RunHotpath(benchmark::State& state) {
   Allocator& a = *current;
   const std::vector<std::size_t>& sizes = Mixes()[kMix].sizes;
   const std::size_t mask = sizes.size() - 1;
-  const StreamHandle stream = env->streams[state.thread_index()];
+  const StreamHandle stream = a.stream(kShared ? 0 : state.thread_index());
   // Threads start at different points of the mixed array.
   std::size_t i = static_cast<std::size_t>(state.thread_index()) * 389 & mask;
   if (absl::Status s = env->sim->CtxSetCurrent(env->ctx); !s.ok()) {
@@ -326,7 +498,7 @@ void RunHotpath(benchmark::State& state) {
       state.SkipWithError(p.status().ToString().c_str());
       break;
     }
-    absl::Status s = a.Deallocate(*p);
+    absl::Status s = a.Deallocate(*p, sizes[i]);
     if (ABSL_PREDICT_FALSE(!s.ok())) {
       state.SkipWithError(s.ToString().c_str());
       break;
@@ -358,11 +530,21 @@ void Register() {
   const std::string name =
       absl::StrCat("BM_Hotpath/", kImplNames[static_cast<int>(kImpl)],
                    "/mix:", Mixes()[kMix].name);
-  benchmark::RegisterBenchmark(name.c_str(), &RunHotpath<kImpl, kMix>)
-      ->Setup(&SetupRun<kImpl, kMix>)
-      ->Teardown(&TeardownRun<kImpl, kMix>)
+  benchmark::RegisterBenchmark(name.c_str(), &RunHotpath<kImpl, kMix, false>)
+      ->Setup(&SetupRun<kImpl, kMix, false>)
+      ->Teardown(&TeardownRun<kImpl, kMix, false>)
       ->Threads(1)
       ->Threads(2);
+  // Two threads on one stream: the ctxpool paths only.
+  if constexpr (kImpl != Impl::kCub && kImpl != Impl::kCtxpool) {
+    const std::string shared =
+        absl::StrCat("BM_HotpathShared/", kImplNames[static_cast<int>(kImpl)],
+                     "/mix:", Mixes()[kMix].name);
+    benchmark::RegisterBenchmark(shared.c_str(), &RunHotpath<kImpl, kMix, true>)
+        ->Setup(&SetupRun<kImpl, kMix, true>)
+        ->Teardown(&TeardownRun<kImpl, kMix, true>)
+        ->Threads(2);
+  }
 }
 
 template <Impl kImpl, int... kMixes>
@@ -414,6 +596,10 @@ BENCHMARK(BM_TrimGranuleCache)->Arg(8)->Arg(64)->Unit(benchmark::kMillisecond);
 void RegisterBenchmarks(bool with_cub) {
   RegisterAll<Impl::kCtxpool>(std::make_integer_sequence<int, kMixCount>());
   RegisterAll<Impl::kCtxpoolVmm>(std::make_integer_sequence<int, kMixCount>());
+  RegisterAll<Impl::kSession>(std::make_integer_sequence<int, kMixCount>());
+  if (plugin != nullptr) {
+    RegisterAll<Impl::kPlugin>(std::make_integer_sequence<int, kMixCount>());
+  }
   if (with_cub) {
     RegisterAll<Impl::kCub>(std::make_integer_sequence<int, kMixCount>());
   }
@@ -427,12 +613,14 @@ absl::Status SmokeCheck(Impl impl) {
   std::vector<std::pair<DevicePtr, std::size_t>> live;
   for (std::size_t k = 0; k < 64; ++k) {
     const std::size_t bytes = sizes[k];
-    CTXPOOL_ASSIGN_OR_RETURN(DevicePtr p,
-                             a->Allocate(bytes, env->streams[k % kMaxThreads]));
+    const StreamHandle stream = a->stream(static_cast<int>(k % kMaxThreads));
+    CTXPOOL_ASSIGN_OR_RETURN(DevicePtr p, a->Allocate(bytes, stream));
     if (p.is_null()) return absl::InternalError("null pointer returned");
-    // Touch fails unless the range lies in memory the driver handed out.
-    CTXPOOL_RETURN_IF_ERROR(
-        env->sim->Touch(env->streams[k % kMaxThreads], p, bytes));
+    // Touch fails unless the range lies in memory the driver handed out
+    // (the plugin's device is its own: not touched here).
+    if (impl != Impl::kPlugin) {
+      CTXPOOL_RETURN_IF_ERROR(env->sim->Touch(stream, p, bytes));
+    }
     live.emplace_back(p, bytes);
   }
   std::vector<std::pair<DevicePtr, std::size_t>> sorted = live;
@@ -445,14 +633,13 @@ absl::Status SmokeCheck(Impl impl) {
     }
   }
   for (const auto& [p, bytes] : live) {
-    CTXPOOL_RETURN_IF_ERROR(a->Deallocate(p));
+    CTXPOOL_RETURN_IF_ERROR(a->Deallocate(p, bytes));
   }
   CTXPOOL_RETURN_IF_ERROR(a->CheckIdle());
   // A second round must be served from the cache without error.
   for (std::size_t k = 0; k < 64; ++k) {
-    CTXPOOL_ASSIGN_OR_RETURN(DevicePtr p,
-                             a->Allocate(sizes[k], env->streams[0]));
-    CTXPOOL_RETURN_IF_ERROR(a->Deallocate(p));
+    CTXPOOL_ASSIGN_OR_RETURN(DevicePtr p, a->Allocate(sizes[k], a->stream(0)));
+    CTXPOOL_RETURN_IF_ERROR(a->Deallocate(p, sizes[k]));
   }
   return a->CheckIdle();
 }
@@ -466,10 +653,11 @@ class RatioReporter final : public bench::ForwardingReporter {
  public:
   using ForwardingReporter::ForwardingReporter;
 
-  // `counter` of "BM_Hotpath/<impl>/mix:<mix>" with `threads`.
+  // `counter` of "<family>/<impl>/mix:<mix>" with `threads`.
   std::optional<double> Get(absl::string_view impl, absl::string_view mix,
-                            int threads, absl::string_view counter) const {
-    auto it = cells_.find({absl::StrCat("BM_Hotpath/", impl, "/mix:", mix),
+                            int threads, absl::string_view counter,
+                            absl::string_view family = "BM_Hotpath") const {
+    auto it = cells_.find({absl::StrCat(family, "/", impl, "/mix:", mix),
                            threads, std::string(counter)});
     if (it == cells_.end()) return std::nullopt;
     const Cell& c = it->second;
@@ -585,6 +773,111 @@ void PrintTable(const RatioReporter& r, bool with_cub, std::FILE* out) {
   for (const std::string& m : misses) std::fprintf(out, "  %s\n", m.c_str());
 }
 
+// The paths users call: session and plugin against the bare expandable
+// allocator (the backing both use) and CUB, and each path's cost per pair
+// with two threads (own streams; one shared stream) against one thread.
+void PrintPathsTable(const RatioReporter& r, bool with_cub, std::FILE* out) {
+  constexpr double kSessionTarget = 1.15;
+  constexpr double kPluginTarget = 1.3;
+  constexpr double kScalingTarget = 1.3;
+  auto fmt = [](std::optional<double> v, const char* unit = "") {
+    return v.has_value() ? absl::StrFormat("%.1f%s", *v, unit)
+                         : std::string("-");
+  };
+  auto ratio = [](std::optional<double> a, std::optional<double> b) {
+    return a.has_value() && b.has_value() && *b > 0
+               ? std::optional<double>(*a / *b)
+               : std::nullopt;
+  };
+  auto fx = [](std::optional<double> v) {
+    return v.has_value() ? absl::StrFormat("%.2fx", *v) : std::string("-");
+  };
+  struct Path {
+    const char* impl;
+    const char* label;
+  };
+  const Path paths[] = {
+      {"ctxpool-vmm", "bare"}, {"session", "session"}, {"plugin", "plugin"}};
+  std::string body;
+  std::string scaling;
+  std::vector<std::string> misses;
+  bool any = false;
+  for (const Mix& mix : Mixes()) {
+    const std::optional<double> bare =
+        r.Get("ctxpool-vmm", mix.name, 1, "ns_per_pair");
+    const std::optional<double> cub = r.Get("cub", mix.name, 1, "ns_per_pair");
+    const std::optional<double> session =
+        r.Get("session", mix.name, 1, "ns_per_pair");
+    const std::optional<double> plug =
+        r.Get("plugin", mix.name, 1, "ns_per_pair");
+    if (!bare.has_value() && !session.has_value() && !plug.has_value()) {
+      continue;
+    }
+    any = true;
+    const std::optional<double> rs = ratio(session, bare);
+    const std::optional<double> rp = ratio(plug, bare);
+    absl::StrAppendFormat(
+        &body, "%-17s %10s %10s %10s %10s %12s %12s %11s %11s\n", mix.name,
+        fmt(bare), fmt(session), fmt(plug), fmt(cub), fx(rs), fx(rp),
+        fx(ratio(session, cub)), fx(ratio(plug, cub)));
+    if (rs.has_value() && *rs > kSessionTarget) {
+      misses.push_back(absl::StrFormat("%s: session %.2fx bare > %.2fx",
+                                       mix.name, *rs, kSessionTarget));
+    }
+    if (rp.has_value() && *rp > kPluginTarget) {
+      misses.push_back(absl::StrFormat("%s: plugin %.2fx bare > %.2fx",
+                                       mix.name, *rp, kPluginTarget));
+    }
+    for (const Path& p : paths) {
+      std::string cells;
+      for (const char* counter : {"ns_per_pair", "wall_ns_per_pair"}) {
+        const std::optional<double> one = r.Get(p.impl, mix.name, 1, counter);
+        const std::optional<double> two = r.Get(p.impl, mix.name, 2, counter);
+        const std::optional<double> shared =
+            r.Get(p.impl, mix.name, 2, counter, "BM_HotpathShared");
+        const std::optional<double> own = ratio(two, one);
+        absl::StrAppendFormat(&cells, " %9s %9s %9s %8s %8s", fmt(one),
+                              fmt(two), fmt(shared), fx(own),
+                              fx(ratio(shared, one)));
+        if (own.has_value() && *own > kScalingTarget) {
+          misses.push_back(absl::StrFormat(
+              "%s: %s 2 threads (own streams) %.2fx 1 thread (%s) > %.2fx",
+              mix.name, p.label, *own,
+              std::string(counter) == "ns_per_pair" ? "cpu" : "wall",
+              kScalingTarget));
+        }
+      }
+      if (cells.find_first_not_of(" -x") == std::string::npos) continue;
+      absl::StrAppendFormat(&scaling, "%-17s %-8s%s\n", mix.name, p.label,
+                            cells);
+    }
+  }
+  if (!any) return;
+  std::fprintf(
+      out,
+      "\nPaths users call, 1 thread: ns per pair (thread CPU time; median "
+      "when repeated) and ratios\n%-17s %10s %10s %10s %10s %12s %12s %11s "
+      "%11s\n%s",
+      "mix", "bare-vmm", "session", "plugin", "cub", "session/bare",
+      "plugin/bare", "session/cub", "plugin/cub", body.c_str());
+  std::fprintf(
+      out,
+      "\nThreads: ns per pair with 1 thread, 2 threads on their own streams "
+      "and 2 threads sharing one stream, and the ratios to 1 thread; thread "
+      "CPU time first, then wall clock\n%-17s %-8s %9s %9s %9s %8s %8s "
+      "%9s %9s %9s %8s %8s\n%s",
+      "mix", "path", "cpu 1t", "cpu 2t", "cpu 2t/1s", "2t/1t", "1s/1t",
+      "wall 1t", "wall 2t", "wall 2t/1s", "2t/1t", "1s/1t", scaling.c_str());
+  if (!with_cub) std::fprintf(out, "(CUB peer not built: no cub columns)\n");
+  std::fprintf(out,
+               "Targets: session <= %.2fx and plugin <= %.2fx the bare pair "
+               "single-threaded; 2 threads on their own streams <= %.2fx the "
+               "same path's 1-thread cost: %s\n",
+               kSessionTarget, kPluginTarget, kScalingTarget,
+               misses.empty() ? "met for the rows run" : "NOT met");
+  for (const std::string& m : misses) std::fprintf(out, "  %s\n", m.c_str());
+}
+
 }  // namespace
 }  // namespace ctxpool
 
@@ -593,9 +886,12 @@ int main(int argc, char** argv) {
   // Our own flags, removed before Google Benchmark parses the rest.
   bool smoke = false;
   bool keep_deadlock_detection = false;
+  std::string plugin_path = CTXPOOL_TORCH_PLUGIN_PATH;
   int kept = 1;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--smoke") == 0) {
+    if (std::strncmp(argv[i], "--plugin=", 9) == 0) {
+      plugin_path = argv[i] + 9;
+    } else if (std::strcmp(argv[i], "--smoke") == 0) {
       smoke = true;
     } else if (std::strcmp(argv[i], "--mutex_deadlock_detection") == 0) {
       keep_deadlock_detection = true;
@@ -642,9 +938,19 @@ int main(int argc, char** argv) {
     return 1;
   }
   int failures = 0;
+  if (absl::Status s = ctxpool::LoadPlugin(plugin_path); !s.ok()) {
+    std::fprintf(stderr, "ctxpool_bench_hotpath: no plugin rows: %s\n",
+                 std::string(s.message()).c_str());
+    // Built with the plugin but it does not load: that is a failure.
+    if (!plugin_path.empty()) ++failures;
+  }
+  benchmark::AddCustomContext(
+      "plugin", ctxpool::plugin != nullptr ? plugin_path : "not loaded");
   if (smoke) {
     std::vector<ctxpool::Impl> impls = {ctxpool::Impl::kCtxpool,
-                                        ctxpool::Impl::kCtxpoolVmm};
+                                        ctxpool::Impl::kCtxpoolVmm,
+                                        ctxpool::Impl::kSession};
+    if (ctxpool::plugin != nullptr) impls.push_back(ctxpool::Impl::kPlugin);
     if (with_cub) impls.push_back(ctxpool::Impl::kCub);
     for (ctxpool::Impl impl : impls) {
       absl::Status s = ctxpool::SmokeCheck(impl);
@@ -662,6 +968,8 @@ int main(int argc, char** argv) {
   benchmark::RunSpecifiedBenchmarks(&reporter);
   benchmark::Shutdown();
   ctxpool::PrintTable(reporter, with_cub, reporter.console() ? stdout : stderr);
+  ctxpool::PrintPathsTable(reporter, with_cub,
+                           reporter.console() ? stdout : stderr);
   failures += reporter.errors();
 
   const std::uint64_t misuse = env->sim->misuse_count();

@@ -33,6 +33,13 @@ else()
 endif()
 
 if(TARGET ctxpool_bench_hotpath)
+  # The plugin rows dlopen the plugin built here (--plugin=PATH overrides).
+  target_link_libraries(ctxpool_bench_hotpath PRIVATE ${CMAKE_DL_LIBS})
+  if(TARGET ctxpool_torch)
+    add_dependencies(ctxpool_bench_hotpath ctxpool_torch)
+    target_compile_definitions(ctxpool_bench_hotpath PRIVATE
+      CTXPOOL_TORCH_PLUGIN_PATH="$<TARGET_FILE:ctxpool_torch>")
+  endif()
   if(CTXPOOL_HAVE_CUB_PEER)
     target_link_libraries(ctxpool_bench_hotpath PRIVATE ctxpool_cub_peer)
     target_compile_definitions(ctxpool_bench_hotpath PRIVATE

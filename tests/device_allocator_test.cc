@@ -19,34 +19,7 @@
 #include "ctxpool/driver/sim_driver.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-
-// Counts heap allocations made by the calling thread while enabled, to prove
-// the cached hot path does not allocate. TSan's runtime defines operator new
-// itself, so there the test is skipped.
-#if defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define CTXPOOL_TEST_TSAN 1
-#endif
-#endif
-#if defined(__SANITIZE_THREAD__)
-#define CTXPOOL_TEST_TSAN 1
-#endif
-
-namespace {
-thread_local bool g_count_allocations = false;
-thread_local std::int64_t g_allocations = 0;
-}  // namespace
-
-#ifndef CTXPOOL_TEST_TSAN
-void* operator new(std::size_t n) {
-  if (g_count_allocations) ++g_allocations;
-  void* p = std::malloc(n == 0 ? 1 : n);
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-#endif
+#include "heap_counter.h"
 
 namespace ctxpool {
 namespace {

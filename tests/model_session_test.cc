@@ -1,7 +1,10 @@
 #include "ctxpool/context/model_session.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <memory>
+#include <new>
 #include <set>
 #include <string>
 #include <thread>
@@ -13,6 +16,7 @@
 #include "ctxpool/context/device_context.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "gtest/gtest.h"
+#include "heap_counter.h"
 
 namespace ctxpool {
 namespace {
@@ -460,6 +464,191 @@ TEST_F(ModelSessionTest, ConcurrentSessionsAndThreads) {
     EXPECT_TRUE(s->Close().ok());
   }
   EXPECT_EQ(DeviceLive(), 0);
+}
+
+// ---- The front end: one critical section, no heap, exact budgets -------
+
+TEST_F(ModelSessionTest, CachedPathMakesNoHeapAllocationNorDriverCall) {
+#ifdef CTXPOOL_TEST_TSAN
+  GTEST_SKIP() << "TSan replaces operator new";
+#endif
+  for (bool expandable : {false, true}) {
+    if (expandable) InitExpandable(8 * kGiB);
+    ModelSession& m =
+        Open(expandable ? "vmm" : "classic", {.max_bytes = 1 * kGiB});
+    const StreamHandle s = m.stream(0);
+    const std::size_t sizes[] = {0, 512, 4096, 65536, 1 << 20, 8 << 20};
+    for (std::size_t b : sizes) {  // warm: every size cached on the stream
+      absl::StatusOr<DevicePtr> p = m.Allocate(b, s, "warm");
+      ASSERT_TRUE(p.ok()) << p.status();
+      ASSERT_TRUE(m.Deallocate(*p).ok());
+    }
+    const std::uint64_t calls = sim_->total_call_count();
+    g_allocations = 0;
+    g_count_allocations = true;
+    bool ok = true;
+    for (int round = 0; round < 100; ++round) {
+      for (std::size_t b : sizes) {
+        absl::StatusOr<DevicePtr> p = m.Allocate(b, s, "hot");
+        ok = ok && p.ok() && m.Deallocate(*p).ok();
+      }
+    }
+    g_count_allocations = false;
+    EXPECT_TRUE(ok);
+    EXPECT_EQ(g_allocations, 0) << (expandable ? "expandable" : "classic");
+    EXPECT_EQ(sim_->total_call_count(), calls);
+    EXPECT_EQ(m.Stats().num_allocs, 6 + 600);
+    EXPECT_EQ(m.Stats().live_bytes, 0u);
+    EXPECT_TRUE(m.Close().ok());
+    sessions_.clear();
+  }
+}
+
+TEST_F(ModelSessionTest, BudgetAtItsLimitFromManyThreadsIsExactNeverOver) {
+  // Two sessions, each with two streams used by two threads; every thread
+  // tries to keep more blocks live than the budget allows. The test's own
+  // count of live bytes (raised after a successful Allocate, lowered before
+  // Deallocate) is a lower bound of the session's, so it must never pass
+  // max; and every refusal must be counted, none invented.
+  constexpr std::size_t kMax = 256 * kKiB;
+  constexpr std::size_t kBlock = 4 * kKiB;
+  constexpr int kWant = 80;  // per thread: 80 x 4 KiB > 256 KiB
+  constexpr int kRounds = 20000;
+  struct Tally {
+    std::atomic<std::int64_t> live{0};
+    std::atomic<std::int64_t> worst{0};
+    std::atomic<std::int64_t> ok{0};
+    std::atomic<std::int64_t> refused{0};
+    std::atomic<std::int64_t> other{0};
+  };
+  ModelSession& a = Open("a", {.streams = 2, .max_bytes = kMax});
+  ModelSession& b = Open("b", {.streams = 2, .max_bytes = kMax});
+  Tally ta, tb;
+  std::atomic<int> ready{0};
+  auto worker = [&ready](ModelSession* m, StreamHandle s, Tally* t, int seed) {
+    ++ready;
+    while (ready.load() < 4) {
+    }
+    std::vector<DevicePtr> mine;
+    unsigned x = static_cast<unsigned>(seed) * 2654435761u + 1;
+    for (int r = 0; r < kRounds; ++r) {
+      x = x * 1664525u + 1013904223u;
+      // 512 B .. 4 KiB (charged in 512 B units), mostly the full block.
+      const std::size_t bytes = (x >> 29) == 0 ? 1 + (x >> 8) % kBlock : kBlock;
+      if (static_cast<int>(mine.size()) < kWant && (x & 0x300) != 0) {
+        absl::StatusOr<DevicePtr> p = m->Allocate(bytes, s, "race");
+        if (p.ok()) {
+          const std::int64_t charged =
+              static_cast<std::int64_t>((bytes + 511) / 512 * 512);
+          const std::int64_t now = t->live.fetch_add(charged) + charged;
+          std::int64_t w = t->worst.load();
+          while (now > w && !t->worst.compare_exchange_weak(w, now)) {
+          }
+          ++t->ok;
+          mine.push_back(*p);
+        } else if (absl::IsResourceExhausted(p.status())) {
+          ++t->refused;
+        } else {
+          ++t->other;
+        }
+      } else if (!mine.empty()) {
+        const std::size_t i = (x >> 4) % mine.size();
+        absl::StatusOr<BlockInfo> info =
+            m->device().device_allocator().Lookup(mine[i]);
+        if (!info.ok()) {
+          ++t->other;
+          continue;
+        }
+        const std::int64_t charged = static_cast<std::int64_t>(
+            (info->requested_bytes + 511) / 512 * 512);
+        t->live.fetch_sub(charged);
+        if (!m->Deallocate(mine[i]).ok()) ++t->other;
+        mine[i] = mine.back();
+        mine.pop_back();
+      }
+    }
+    for (DevicePtr p : mine) {
+      absl::StatusOr<BlockInfo> info = m->device().device_allocator().Lookup(p);
+      if (info.ok()) {
+        t->live.fetch_sub(static_cast<std::int64_t>(
+            (info->requested_bytes + 511) / 512 * 512));
+      }
+      if (!m->Deallocate(p).ok()) ++t->other;
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.emplace_back(worker, &a, a.stream(0), &ta, 1);
+  threads.emplace_back(worker, &a, a.stream(1), &ta, 2);
+  threads.emplace_back(worker, &b, b.stream(0), &tb, 3);
+  threads.emplace_back(worker, &b, b.stream(1), &tb, 4);
+  for (std::thread& t : threads) t.join();
+  for (auto [m, t] : {std::pair{&a, &ta}, std::pair{&b, &tb}}) {
+    const SessionStats st = m->Stats();
+    EXPECT_EQ(t->other.load(), 0) << m->name();
+    EXPECT_LE(t->worst.load(), static_cast<std::int64_t>(kMax)) << m->name();
+    EXPECT_LE(st.peak_bytes, kMax) << m->name();
+    EXPECT_EQ(st.num_allocs, t->ok.load()) << m->name();
+    EXPECT_EQ(st.num_frees, t->ok.load()) << m->name();
+    EXPECT_EQ(st.num_budget_rejections, t->refused.load()) << m->name();
+    EXPECT_GT(t->refused.load(), 0) << m->name() << ": the limit was reached";
+    EXPECT_EQ(st.live_bytes, 0u);
+    EXPECT_EQ(st.live_allocations, 0);
+    EXPECT_EQ(t->live.load(), 0);
+  }
+  EXPECT_TRUE(dc_->device_allocator().CheckInvariants().ok());
+}
+
+TEST_F(ModelSessionTest, FreeOfAnotherSessionsBlockIsRefusedAndKept) {
+  ModelSession& a = Open("a");
+  ModelSession& b = Open("b");
+  absl::StatusOr<DevicePtr> p = a.Allocate(4096, a.stream(0), "a's");
+  ASSERT_TRUE(p.ok());
+  absl::Status wrong = b.Deallocate(*p);
+  EXPECT_TRUE(absl::IsInvalidArgument(wrong)) << wrong;
+  EXPECT_NE(wrong.message().find("'b'"), std::string::npos) << wrong;
+  EXPECT_NE(wrong.message().find("'a'"), std::string::npos) << wrong;
+  EXPECT_EQ(b.Stats().invalid_frees, 1);
+  EXPECT_EQ(a.Stats().live_allocations, 1);  // still a's, still live
+  EXPECT_TRUE(dc_->device_allocator().Lookup(*p).ok());
+  // A bare free through the shared allocator is charged back to a.
+  EXPECT_TRUE(dc_->device_allocator().Deallocate(*p).ok());
+  EXPECT_EQ(a.Stats().live_bytes, 0u);
+  EXPECT_EQ(a.Stats().num_frees, 1);
+  EXPECT_TRUE(a.Deallocate(*p).code() == absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ModelSessionTest, AllocateRacingCloseNeverOutlivesTheSession) {
+  // Threads allocate while another closes the session: whatever they got
+  // before Close is reported and reclaimed by it; after Close they get
+  // FAILED_PRECONDITION, and nothing is left live or charged.
+  for (int trial = 0; trial < 20; ++trial) {
+    ModelSession& m = Open(absl::StrCat("m", trial), {.streams = 2});
+    std::atomic<bool> go{false};
+    std::atomic<int> after_close_ok{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 2; ++t) {
+      threads.emplace_back([&, t] {
+        while (!go.load()) {
+        }
+        for (int i = 0; i < 200; ++i) {
+          const bool closed_before = m.closed();
+          absl::StatusOr<DevicePtr> p = m.Allocate(512, m.stream(t));
+          if (p.ok() && closed_before) ++after_close_ok;
+          if (!p.ok()) {
+            EXPECT_EQ(p.status().code(), absl::StatusCode::kFailedPrecondition)
+                << p.status();
+          }
+        }
+      });
+    }
+    go = true;
+    absl::Status closed = m.Close();
+    for (std::thread& t : threads) t.join();
+    EXPECT_EQ(after_close_ok.load(), 0);
+    (void)closed;  // leaks or not, depending on the interleaving
+    EXPECT_EQ(DeviceLive(), 0);
+    sessions_.clear();
+  }
 }
 
 }  // namespace

@@ -8,10 +8,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <fstream>
+#include <mutex>
 #include <new>
 #include <set>
 #include <sstream>
@@ -21,6 +24,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "heap_counter.h"
 
 #ifndef CTXPOOL_TORCH_PLUGIN_PATH
 #define CTXPOOL_TORCH_PLUGIN_PATH ""  // the plugin is not built: skip
@@ -483,6 +487,120 @@ TEST_F(TorchPluginTest, ManyThreadsManyModels) {
     EXPECT_EQ(Stat("num_invalid_frees", d), 0);
     EXPECT_EQ(Stat("num_ooms", d), 0);
   }
+}
+
+// The "models" entry of `model` in memory_stats JSON, e.g. {"live_bytes":..}.
+std::string ModelJson(const std::string& stats, const std::string& model) {
+  const std::size_t at = stats.find("\"" + model + "\":{");
+  if (at == std::string::npos) return "";
+  const std::size_t end = stats.find('}', at);
+  return stats.substr(at, end - at);
+}
+
+TEST_F(TorchPluginTest, FreesOnOtherThreadsGoToTheAllocatingModel) {
+  std::vector<void*> handed;
+  std::thread a([&] {
+    api_.set_model("a");
+    for (int i = 0; i < 10; ++i)
+      handed.push_back(api_.malloc(8192, 0, nullptr));
+  });
+  a.join();
+  EXPECT_EQ(JsonInt(ModelJson(Stats(), "a"), "live_allocations"), 10);
+  std::thread b([&] {
+    api_.set_model("b");
+    void* own = api_.malloc(512, 0, nullptr);  // b has a session too
+    for (void* p : handed) api_.free(p, 8192, 0, nullptr);
+    api_.free(own, 512, 0, nullptr);
+  });
+  b.join();
+  const std::string stats = Stats();
+  EXPECT_EQ(JsonInt(ModelJson(stats, "a"), "live_allocations"), 0) << stats;
+  EXPECT_EQ(JsonInt(ModelJson(stats, "a"), "live_bytes"), 0) << stats;
+  EXPECT_EQ(JsonInt(ModelJson(stats, "a"), "num_frees"), 10) << stats;
+  EXPECT_EQ(JsonInt(ModelJson(stats, "b"), "num_frees"), 1) << stats;
+  EXPECT_EQ(JsonInt(stats, "num_invalid_frees"), 0);
+  EXPECT_EQ(JsonInt(stats, "num_live_pointers"), 0);
+}
+
+TEST_F(TorchPluginTest, FourThreadsFreeEachOthersBlocks) {
+  // Four threads with a model each allocate into one shared queue and free
+  // whatever they take from it, mostly blocks of the other threads' models.
+  constexpr int kThreads = 4;
+  constexpr int kIters = 2000;
+  std::mutex mu;
+  std::deque<std::pair<void*, std::size_t>> queue;
+  std::atomic<int> nulls{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      api_.set_model(("m" + std::to_string(t)).c_str());
+      for (int i = 0; i < kIters; ++i) {
+        const std::size_t size =
+            (static_cast<std::size_t>(i * 13 + t) % 32 + 1) * 1024;
+        void* p = api_.try_malloc(size, 0, nullptr);
+        if (p == nullptr) {
+          ++nulls;
+          continue;
+        }
+        std::pair<void*, std::size_t> victim{nullptr, 0};
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          queue.emplace_back(p, size);
+          if (queue.size() > 16) {
+            victim = queue.front();
+            queue.pop_front();
+          }
+        }
+        if (victim.first != nullptr) {
+          api_.free(victim.first, victim.second, 0, nullptr);
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (auto [p, size] : queue) api_.free(p, size, 0, nullptr);
+  EXPECT_EQ(nulls.load(), 0) << LastError();
+  const std::string stats = Stats();
+  for (int t = 0; t < kThreads; ++t) {
+    const std::string m = ModelJson(stats, "m" + std::to_string(t));
+    EXPECT_EQ(JsonInt(m, "num_allocs"), kIters) << m;
+    EXPECT_EQ(JsonInt(m, "num_frees"), kIters) << m;
+    EXPECT_EQ(JsonInt(m, "live_bytes"), 0) << m;
+  }
+  EXPECT_EQ(JsonInt(stats, "allocation.all.current"), 0);
+  EXPECT_EQ(JsonInt(stats, "num_invalid_frees"), 0);
+  EXPECT_EQ(JsonInt(stats, "num_live_pointers"), 0);
+}
+
+TEST_F(TorchPluginTest, CachedMallocAndFreeMakeNoHeapAllocation) {
+#ifdef CTXPOOL_TEST_TSAN
+  GTEST_SKIP() << "TSan replaces operator new";
+#endif
+  const std::size_t sizes[] = {0, 512, 4096, 1 << 20, 8 << 20};
+  for (int round = 0; round < 2; ++round) {
+    for (std::size_t b : sizes)
+      api_.free(api_.malloc(b, 0, nullptr), b, 0, nullptr);
+  }
+  // The counter sees the plugin's allocations (memory_stats builds strings).
+  g_allocations = 0;
+  g_count_allocations = true;
+  (void)api_.memory_stats(0);
+  g_count_allocations = false;
+  ASSERT_GT(g_allocations, 0) << "operator new of the plugin is not counted";
+  g_allocations = 0;
+  g_count_allocations = true;
+  int nulls = 0;
+  for (int i = 0; i < 200; ++i) {
+    for (std::size_t b : sizes) {
+      void* p = api_.try_malloc(b, 0, nullptr);
+      if (p == nullptr) ++nulls;
+      api_.free(p, b, 0, nullptr);
+    }
+  }
+  g_count_allocations = false;
+  EXPECT_EQ(nulls, 0);
+  EXPECT_EQ(g_allocations, 0);
+  EXPECT_EQ(Stat("num_invalid_frees"), 0);
 }
 
 TEST_F(TorchPluginTest, ForkedChildCreatesItsOwnState) {

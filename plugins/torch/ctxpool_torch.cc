@@ -4,14 +4,21 @@
 // Layout: `Globals` (a mutex, the last error, the state pointer) is replaced
 // wholesale in a forked child by the atfork handler, so no lock a parent
 // thread held at fork() is ever taken in the child. `PluginState` owns the
-// driver, the lazily opened DeviceContexts, one ModelSession per (device,
-// model) and the map from live pointers to their session, which is what
-// routes a free and checks its size.
+// driver, the lazily opened DeviceContexts and one ModelSession per (device,
+// model).
+//
+// The cached path takes no lock of the plugin's. ctxpool_malloc finds the
+// calling thread's session in a thread-local cache (filled under
+// PluginState::mu_ on a miss: first use, a new model, a new state) and
+// calls the session's inline front end, i.e. one owned Allocate of the
+// device allocator. ctxpool_free needs no session: the block carries its
+// owner (the session that allocated it, whatever thread frees it) and its
+// requested size, so one owned Deallocate of the device's allocator checks
+// and frees it (FreeCheck). Only failures, tracing (CTXPOOL_TRACE) and the
+// cold paths take PluginState::mu_.
 //
 // Lock order: Globals::mu -> PluginState::mu_ -> ModelSession's lock ->
-// the device allocator's lock. Session and allocator calls are made without
-// PluginState::mu_ held, except on the cold paths that open devices and
-// sessions.
+// the device allocator's lock.
 
 #include "ctxpool_torch.h"
 
@@ -61,6 +68,26 @@ constexpr std::size_t kMaxModelName = 255;
 
 // The calling thread's current model. Empty means kDefaultModel.
 thread_local std::string tls_model;
+
+absl::string_view CurrentModel() {
+  return tls_model.empty() ? kDefaultModel : absl::string_view(tls_model);
+}
+
+class PluginState;
+
+// The calling thread's sessions of its current model, by device, valid for
+// the state of generation `generation` (0: empty). Plain data with
+// initial-exec TLS, so reading it is a couple of instructions even though
+// the library is dlopened (glibc keeps static TLS room for that).
+constexpr int kCachedDevices = 16;
+struct SessionCache {
+  std::uint64_t generation = 0;
+  ModelSession* by_device[kCachedDevices] = {};
+};
+__attribute__((
+    tls_model("initial-exec"))) thread_local SessionCache tls_sessions;
+// Bumped for every state created, so no cache survives its state.
+std::atomic<std::uint64_t> g_state_generation{0};
 // Buffers behind the const char* results (see ctxpool_torch.h).
 thread_local std::string tls_result;
 thread_local std::string tls_model_result;
@@ -96,14 +123,6 @@ absl::StatusOr<std::unique_ptr<Driver>> LoadDriver(std::string& note) {
   note = absl::StrCat("driver: cuda (", (*cuda)->Describe(), ")");
   return std::move(cuda).value();
 }
-
-// Where a live pointer came from.
-struct LiveBlock {
-  ModelSession* session = nullptr;
-  std::size_t size = 0;  // as requested
-  int device = 0;
-  std::uint32_t model_id = 0;
-};
 
 struct SessionKey {
   int device;
@@ -143,93 +162,80 @@ class PluginState {
   // the whole state is leaked instead (see OnForkChild), never destroyed.
   ~PluginState() {
     absl::MutexLock lock(&mu_);
-    live_.clear();
     sessions_.clear();
-    for (auto& d : devices_) d.reset();
+    for (std::size_t d = 0; d < devices_.size(); ++d) {
+      open_[d].store(nullptr, std::memory_order_relaxed);
+      devices_[d].reset();
+    }
   }
 
-  absl::StatusOr<void*> Malloc(std::size_t size, int device,
-                               StreamHandle stream, absl::string_view model)
-      ABSL_LOCKS_EXCLUDED(mu_) {
+  // The hot path: the thread's cached session, one owned Allocate. Null
+  // with *error set on failure.
+  void* Malloc(std::size_t size, int device, StreamHandle stream,
+               absl::Status* error) ABSL_LOCKS_EXCLUDED(mu_) {
     ModelSession* session = nullptr;
-    std::uint32_t model_id = 0;
-    {
-      absl::MutexLock lock(&mu_);
-      CTXPOOL_ASSIGN_OR_RETURN(session, SessionLocked(device, model));
-      model_id = ModelIdLocked(model);
+    SessionCache& cache = tls_sessions;
+    if (ABSL_PREDICT_TRUE(cache.generation == generation_ && device >= 0 &&
+                          device < kCachedDevices)) {
+      session = cache.by_device[device];
+    }
+    if (ABSL_PREDICT_FALSE(session == nullptr)) {
+      absl::StatusOr<ModelSession*> found = CacheSession(device);
+      if (!found.ok()) {
+        *error = found.status();
+        return nullptr;
+      }
+      session = *found;
     }
     absl::StatusOr<DevicePtr> p = session->Allocate(size, stream);
-    if (!p.ok()) {
-      if (recorder_.enabled()) {
-        recorder_.Record(TraceOp::kOom, 0, size, stream.value(), model_id);
-      }
-      // More than the whole device is out of memory to PyTorch (as
-      // cudaMalloc and its own allocator say), not a bad argument.
-      if (p.status().code() == absl::StatusCode::kInvalidArgument &&
-          size > session->device().device_allocator().device_total_bytes()) {
-        return absl::ResourceExhaustedError(
-            absl::StrCat("out of memory: ", p.status().message()));
-      }
-      return p.status();
+    if (ABSL_PREDICT_FALSE(!p.ok())) {
+      *error = MallocFailed(*session, size, stream, p.status());
+      return nullptr;
     }
-    {
-      absl::MutexLock lock(&mu_);
-      live_[p->address()] = LiveBlock{session, size, device, model_id};
-    }
-    if (recorder_.enabled()) {
+    if (ABSL_PREDICT_FALSE(recorder_.enabled())) {
       recorder_.Record(TraceOp::kAlloc, p->address(), size, stream.value(),
-                       model_id);
+                       ModelId(*session));
     }
     return p->get();
   }
 
+  // The hot path: one owned Deallocate that checks the size.
   absl::Status Free(void* ptr, std::size_t size, int device,
                     StreamHandle stream) ABSL_LOCKS_EXCLUDED(mu_) {
     const DevicePtr p = DevicePtr::From(ptr);
-    LiveBlock block;
-    {
-      absl::MutexLock lock(&mu_);
-      auto it = live_.find(p.address());
-      if (it == live_.end()) {
-        ++invalid_frees_;
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "ctxpool_free(%p, %u, device %d): not a live allocation of "
-            "ctxpool (a foreign pointer or a double free); nothing freed",
-            ptr, size, device));
-      }
-      if (it->second.size != size || it->second.device != device) {
-        ++invalid_frees_;
-        ++mismatched_frees_;
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "ctxpool_free(%p, %u, device %d): the allocation was %u bytes on "
-            "device %d; refused, the block stays allocated",
-            ptr, size, device, it->second.size, it->second.device));
-      }
-      block = it->second;
-      live_.erase(it);
+    DeviceContext* dc = OpenDevice(device);
+    if (ABSL_PREDICT_FALSE(dc == nullptr)) return FreeFailed(ptr, size, device);
+    std::uint32_t model_id = 0;
+    if (ABSL_PREDICT_FALSE(recorder_.enabled())) {
+      absl::StatusOr<BlockInfo> b = dc->device_allocator().Lookup(p);
+      if (b.ok()) model_id = ModelIdOfOwner(device, b->owner);
     }
-    if (recorder_.enabled()) {
+    absl::Status s =
+        dc->device_allocator().Deallocate(p, FreeCheck{.owner = kAnyOwner,
+                                                       .requested_bytes = size,
+                                                       .owned_only = true});
+    if (ABSL_PREDICT_FALSE(!s.ok())) {
+      if (!absl::IsInvalidArgument(s)) return s;
+      return FreeFailed(ptr, size, device);
+    }
+    if (ABSL_PREDICT_FALSE(recorder_.enabled())) {
       recorder_.Record(TraceOp::kFree, p.address(), size, stream.value(),
-                       block.model_id);
+                       model_id);
     }
-    return block.session->Deallocate(p);
+    return absl::OkStatus();
   }
 
   absl::Status RecordStream(void* ptr, StreamHandle stream)
       ABSL_LOCKS_EXCLUDED(mu_) {
-    ModelSession* session = nullptr;
-    {
-      absl::MutexLock lock(&mu_);
-      auto it = live_.find(DevicePtr::From(ptr).address());
-      if (it == live_.end()) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("ctxpool_record_stream(%p): not a live allocation "
-                            "of ctxpool",
-                            ptr));
-      }
-      session = it->second.session;
+    const DevicePtr p = DevicePtr::From(ptr);
+    for (DeviceContext* dc : OpenDevices()) {
+      CachingDeviceAllocator& alloc = dc->device_allocator();
+      absl::StatusOr<BlockInfo> b = alloc.Lookup(p);
+      if (!b.ok() || b->owner == kNoOwner) continue;
+      return alloc.RecordStream(p, stream, b->owner);
     }
-    return session->RecordStream(DevicePtr::From(ptr), stream);
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "ctxpool_record_stream(%p): not a live allocation of ctxpool", ptr));
   }
 
   absl::StatusOr<std::int64_t> EmptyCache() ABSL_LOCKS_EXCLUDED(mu_) {
@@ -315,16 +321,17 @@ class PluginState {
         ",\"note\":", JsonString(note_), ",\"pid\":", pid_,
         ",\"device_count\":", devices_.size(), ",\"opened_devices\":[", opened,
         "],\"sessions\":", sessions_.size(),
-        ",\"live_allocations\":", live_.size(),
+        ",\"live_allocations\":", LiveAllocationsLocked(-1),
         ",\"trace\":", recorder_.enabled() ? "true" : "false", "}");
   }
 
   // Closes every session. Refused with live allocations unless `force`.
   absl::Status PrepareShutdown(bool force) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
-    if (!live_.empty() && !force) {
+    const std::int64_t live = LiveAllocationsLocked(-1);
+    if (live != 0 && !force) {
       return absl::FailedPreconditionError(
-          absl::StrCat("ctxpool_shutdown: ", live_.size(),
+          absl::StrCat("ctxpool_shutdown: ", live,
                        " allocation(s) still live; free them or pass force=1"));
     }
     return absl::OkStatus();
@@ -335,7 +342,116 @@ class PluginState {
       : driver_(std::move(driver)),
         note_(std::move(note)),
         pid_(getpid()),
-        devices_(static_cast<std::size_t>(count)) {}
+        generation_(g_state_generation.fetch_add(1) + 1),
+        open_(new std::atomic<DeviceContext*>[static_cast<std::size_t>(count)]),
+        devices_size_(static_cast<std::size_t>(count)),
+        devices_(static_cast<std::size_t>(count)) {
+    for (int d = 0; d < count; ++d) open_[d].store(nullptr);
+  }
+
+  // The opened DeviceContext of `device`, or null; no lock.
+  DeviceContext* OpenDevice(int device) const {
+    if (device < 0 || static_cast<std::size_t>(device) >= device_count()) {
+      return nullptr;
+    }
+    return open_[device].load(std::memory_order_acquire);
+  }
+  std::size_t device_count() const { return devices_size_; }
+
+  // The miss of Malloc's cache: the session of the thread's model on
+  // `device` (opened on first use), remembered for the thread.
+  absl::StatusOr<ModelSession*> CacheSession(int device)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    ModelSession* session = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      CTXPOOL_ASSIGN_OR_RETURN(session, SessionLocked(device, CurrentModel()));
+    }
+    SessionCache& cache = tls_sessions;
+    if (cache.generation != generation_) {
+      cache = SessionCache{};
+      cache.generation = generation_;
+    }
+    if (device < kCachedDevices) cache.by_device[device] = session;
+    return session;
+  }
+
+  absl::Status MallocFailed(ModelSession& session, std::size_t size,
+                            StreamHandle stream, const absl::Status& status)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    if (recorder_.enabled()) {
+      recorder_.Record(TraceOp::kOom, 0, size, stream.value(),
+                       ModelId(session));
+    }
+    // More than the whole device is out of memory to PyTorch (as
+    // cudaMalloc and its own allocator say), not a bad argument.
+    if (status.code() == absl::StatusCode::kInvalidArgument &&
+        size > session.device().device_allocator().device_total_bytes()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("out of memory: ", status.message()));
+    }
+    return status;
+  }
+
+  // Why a free was refused (nothing was freed): a foreign pointer, a double
+  // free, or a size or device that differs from the allocation's.
+  absl::Status FreeFailed(void* ptr, std::size_t size, int device)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    const DevicePtr p = DevicePtr::From(ptr);
+    std::vector<DeviceContext*> open = OpenDevices();
+    for (DeviceContext* dc : open) {
+      absl::StatusOr<BlockInfo> b = dc->device_allocator().Lookup(p);
+      if (!b.ok() || b->owner == kNoOwner) continue;
+      if (dc->device() != device) {
+        // The allocator of `device` did not count it: it never saw it.
+        absl::MutexLock lock(&mu_);
+        ++invalid_frees_;
+        ++mismatched_frees_;
+      }
+      // (A size mismatch on the right device is counted by its allocator.)
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "ctxpool_free(%p, %u, device %d): the allocation was %u bytes on "
+          "device %d; refused, the block stays allocated",
+          ptr, size, device, b->requested_bytes, dc->device()));
+    }
+    if (OpenDevice(device) == nullptr) {
+      absl::MutexLock lock(&mu_);
+      ++invalid_frees_;  // no allocator of `device` saw it
+    }
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "ctxpool_free(%p, %u, device %d): not a live allocation of ctxpool (a "
+        "foreign pointer or a double free); nothing freed",
+        ptr, size, device));
+  }
+
+  // The trace's model number of `session` / of an allocator owner.
+  std::uint32_t ModelId(const ModelSession& session) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return ModelIdLocked(session.name());
+  }
+  std::uint32_t ModelIdOfOwner(int device, OwnerId owner)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, session] : sessions_) {
+      if (key.device == device && session->owner() == owner) {
+        return ModelIdLocked(key.model);
+      }
+    }
+    return 0;
+  }
+
+  // Live allocations of the sessions on `device` (-1: every device).
+  std::int64_t LiveAllocationsLocked(int device) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::int64_t live = 0;
+    for (const auto& [key, session] : sessions_) {
+      if (device >= 0 && key.device != device) continue;
+      absl::StatusOr<OwnerStats> o =
+          session->device().device_allocator().GetOwnerStats(session->owner());
+      if (o.ok()) live += o->live_allocations;
+    }
+    return live;
+  }
 
   // The session of (device, model), opening the device and the session on
   // first use.
@@ -353,6 +469,7 @@ class PluginState {
     std::unique_ptr<DeviceContext>& dc = devices_[device];
     if (dc == nullptr) {
       CTXPOOL_ASSIGN_OR_RETURN(dc, DeviceContext::Create(*driver_, device));
+      open_[device].store(dc.get(), std::memory_order_release);
     }
     SessionOptions options;
     auto budget = budgets_.find(key.model);
@@ -384,7 +501,11 @@ class PluginState {
   const std::unique_ptr<Driver> driver_;
   const std::string note_;
   const pid_t pid_;
+  const std::uint64_t generation_;
   TraceRecorder recorder_;
+  // devices_[d].get() once opened, for the lock-free paths.
+  const std::unique_ptr<std::atomic<DeviceContext*>[]> open_;
+  const std::size_t devices_size_;
 
   absl::Mutex mu_;
   // By ordinal; null until the device's first allocation.
@@ -394,7 +515,8 @@ class PluginState {
   absl::flat_hash_map<std::string, std::size_t> budgets_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::uint32_t> model_ids_
       ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::uint64_t, LiveBlock> live_ ABSL_GUARDED_BY(mu_);
+  // Frees no device allocator saw (a device never opened, or the wrong
+  // device); the allocators count the rest.
   std::int64_t invalid_frees_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t mismatched_frees_ ABSL_GUARDED_BY(mu_) = 0;
 };
@@ -428,9 +550,7 @@ absl::StatusOr<std::string> PluginState::MemoryStats(int device) {
     }
     invalid_frees = invalid_frees_;
     mismatched_frees = mismatched_frees_;
-    for (const auto& [ptr, block] : live_) {
-      if (block.device == device) ++live;
-    }
+    live = static_cast<std::size_t>(LiveAllocationsLocked(device));
     if (devices_[device] != nullptr) {
       const CachingDeviceAllocator& alloc =
           devices_[device]->device_allocator();
@@ -478,7 +598,7 @@ absl::StatusOr<std::string> PluginState::MemoryStats(int device) {
       ",\"num_sync_all_streams\":", stats.num_host_syncs,
       ",\"max_split_size\":", max_split_json,
       ",\"num_invalid_frees\":", invalid_frees + stats.invalid_frees,
-      ",\"num_mismatched_frees\":", mismatched_frees,
+      ",\"num_mismatched_frees\":", mismatched_frees + stats.mismatched_frees,
       ",\"num_cache_hits\":", stats.cache_hits,
       ",\"num_trims\":", stats.num_trims,
       ",\"num_stream_waits\":", stats.num_stream_waits,
@@ -532,12 +652,22 @@ void SetError(const absl::Status& status) {
   if (g.last_error.empty()) g.last_error = status.ToString();
 }
 
+// The state when it exists (the hot paths' two loads), else null.
+inline PluginState* ExistingState() {
+  Globals* g = g_globals.load(std::memory_order_acquire);
+  return ABSL_PREDICT_TRUE(g != nullptr)
+             ? g->state.load(std::memory_order_acquire)
+             : nullptr;
+}
+
 // The state, created on first use. Failures are returned (and not cached: the
 // next call tries again).
 absl::StatusOr<PluginState*> GetState() {
+  if (PluginState* s = ExistingState(); ABSL_PREDICT_TRUE(s != nullptr)) {
+    return s;
+  }
   Globals& g = GetGlobals();
-  PluginState* s = g.state.load(std::memory_order_acquire);
-  if (ABSL_PREDICT_TRUE(s != nullptr)) return s;
+  PluginState* s = nullptr;
   absl::MutexLock lock(&g.mu);
   s = g.state.load(std::memory_order_relaxed);
   if (s != nullptr) return s;
@@ -559,18 +689,24 @@ absl::StatusOr<PluginState*> GetState() {
   return s;
 }
 
-absl::string_view CurrentModel() {
-  return tls_model.empty() ? kDefaultModel : absl::string_view(tls_model);
-}
-
 const char* Result(std::string text) {
   tls_result = std::move(text);
   return tls_result.c_str();
 }
 
-absl::StatusOr<void*> Malloc(size_t size, int device, cudaStream_t stream) {
-  CTXPOOL_ASSIGN_OR_RETURN(PluginState * s, GetState());
-  return s->Malloc(size, device, StreamHandle::From(stream), CurrentModel());
+// Null with *error set on failure.
+inline void* Malloc(size_t size, int device, cudaStream_t stream,
+                    absl::Status* error) {
+  PluginState* s = ExistingState();
+  if (ABSL_PREDICT_FALSE(s == nullptr)) {
+    absl::StatusOr<PluginState*> created = GetState();
+    if (!created.ok()) {
+      *error = created.status();
+      return nullptr;
+    }
+    s = *created;
+  }
+  return s->Malloc(size, device, StreamHandle::From(stream), error);
 }
 
 // What ctxpool_malloc throws when memory ran out: PyTorch's own allocator
@@ -603,30 +739,33 @@ using namespace ctxpool::torch_plugin;  // NOLINT: the C ABI below
 extern "C" {
 
 void* ctxpool_try_malloc(size_t size, int device, cudaStream_t stream) {
-  absl::StatusOr<void*> p = Malloc(size, device, stream);
-  if (!p.ok()) {
-    SetError(p.status());
-    return nullptr;
-  }
-  return *p;
+  absl::Status error;
+  void* p = Malloc(size, device, stream, &error);
+  if (ABSL_PREDICT_FALSE(p == nullptr)) SetError(error);
+  return p;
 }
 
 void* ctxpool_malloc(size_t size, int device, cudaStream_t stream) {
-  absl::StatusOr<void*> p = Malloc(size, device, stream);
-  if (ABSL_PREDICT_TRUE(p.ok())) return *p;
-  SetError(p.status());
-  ThrowFor(p.status());
+  absl::Status error;
+  void* p = Malloc(size, device, stream, &error);
+  if (ABSL_PREDICT_TRUE(p != nullptr)) return p;
+  SetError(error);
+  ThrowFor(error);
 }
 
 void ctxpool_free(void* ptr, size_t size, int device, cudaStream_t stream) {
   if (ptr == nullptr) return;
-  absl::StatusOr<PluginState*> s = GetState();
-  if (!s.ok()) {
-    SetError(s.status());
-    return;
+  PluginState* s = ExistingState();
+  if (ABSL_PREDICT_FALSE(s == nullptr)) {
+    absl::StatusOr<PluginState*> created = GetState();
+    if (!created.ok()) {
+      SetError(created.status());
+      return;
+    }
+    s = *created;
   }
-  absl::Status st = (*s)->Free(ptr, size, device, StreamHandle::From(stream));
-  if (!st.ok()) SetError(st);
+  absl::Status st = s->Free(ptr, size, device, StreamHandle::From(stream));
+  if (ABSL_PREDICT_FALSE(!st.ok())) SetError(st);
 }
 
 int64_t ctxpool_empty_cache(void) {
@@ -672,6 +811,7 @@ int ctxpool_record_stream(void* ptr, cudaStream_t stream) {
 }
 
 int ctxpool_set_model(const char* name) {
+  tls_sessions.generation = 0;  // the cached sessions are the old model's
   if (name == nullptr || name[0] == '\0' || kDefaultModel == name) {
     tls_model.clear();
     return 0;

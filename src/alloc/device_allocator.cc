@@ -49,6 +49,9 @@
 //       block may be neighbours. A quarantined block (mapped, no access:
 //       a failed cuMemSetAccess whose rollback failed) is free, mapped and
 //       in no index, and never coalesces.
+//   I13 an owner's live charge and live count equal the sums over the
+//       allocated blocks tagged with it, never above its max; only
+//       registered owners tag blocks.
 //
 // Hot path: Allocate looks up the stream's free index (one LowerBound), and
 // TakeBlock unlinks the block (and links a split remainder), inserts into
@@ -61,8 +64,13 @@
 // allocator's context current with ScopedContext.
 #include "ctxpool/alloc/device_allocator.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <x86intrin.h>
+#endif
+
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -176,6 +184,37 @@ struct Tenant {
   bool registered = true;
 };
 
+// An owner of allocations (RegisterOwner): its live charge and counters,
+// updated under the allocator's lock by TakeBlock and RemoveAllocatedStats.
+struct alignas(64) OwnerRec {  // written on every owned call: a line of its own
+  std::string name;
+  std::size_t max = 0;  // 0: none
+  std::size_t live = 0;
+  std::size_t peak = 0;
+  std::size_t requested = 0;
+  std::int64_t allocs = 0;
+  std::int64_t frees = 0;
+  std::int64_t ooms = 0;
+  std::int64_t rejections = 0;
+  std::int64_t invalid_frees = 0;
+  bool closed = false;
+};
+
+// The clock of Block::born_ticks: the CPU's time-stamp counter where there
+// is one (a few cycles, no system call, on the hot path of owned
+// allocations), converted to absl's clock only when a report asks.
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline std::int64_t Ticks() {
+#if defined(__x86_64__) || defined(__i386__)
+  return static_cast<std::int64_t>(__rdtsc());
+#elif defined(__aarch64__)
+  std::int64_t v;
+  asm volatile("mrs %0, cntvct_el0" : "=r"(v));
+  return v;
+#else
+  return std::chrono::steady_clock::now().time_since_epoch().count();
+#endif
+}
+
 // One event a pending-free block waits for.
 struct PendingEvent {
   Block* block;
@@ -201,6 +240,10 @@ BlockInfo ToInfo(const Block& b) {
   info.stream = StreamHandle(b.segment->stream);
   info.state = b.state;
   info.mapped_bytes = b.size;
+  if (b.state == BlockState::kAllocated) {
+    info.owner = b.owner;
+    info.label = b.label;
+  }
   return info;
 }
 
@@ -321,12 +364,15 @@ class CachingDeviceAllocator::Impl {
 
   // ---- Allocate / Deallocate ----------------------------------------------
 
-  absl::StatusOr<DevicePtr> Allocate(std::size_t bytes, StreamHandle stream)
+  absl::StatusOr<DevicePtr> Allocate(std::size_t bytes, StreamHandle stream,
+                                     OwnerId owner, const char* label)
       ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::Allocate"));
     if (ABSL_PREDICT_FALSE(bytes > device_total_)) {
       core_internal::SpinLockHolder lock(&mu_);
+      // An owner's budget (or its being closed) speaks first.
+      if (owner != kNoOwner) CTXPOOL_RETURN_IF_ERROR(CheckCharge(owner, bytes));
       ++invalid_requests_;
       return absl::InvalidArgumentError(absl::StrFormat(
           "Allocate(%d bytes): larger than device %d's total memory (%d "
@@ -338,24 +384,53 @@ class CachingDeviceAllocator::Impl {
     OomReport report;
     {
       core_internal::SpinLockHolder lock(&mu_);
-      if (auto p = TryAllocate(stream, rounded, bytes, small, &report)) {
+      if (ABSL_PREDICT_FALSE(owner != kNoOwner)) {
+        CTXPOOL_RETURN_IF_ERROR(CheckCharge(owner, bytes));
+      }
+      if (auto p = TryAllocateTagged(stream, rounded, bytes, small, &report,
+                                     owner, label)) {
         return *std::move(p);
       }
     }
     if (options_.on_oom && options_.on_oom(report)) {
       core_internal::SpinLockHolder lock(&mu_);
-      if (auto p = TryAllocate(stream, rounded, bytes, small, &report)) {
+      // The lock was dropped: the owner may have been closed or charged.
+      if (ABSL_PREDICT_FALSE(owner != kNoOwner)) {
+        CTXPOOL_RETURN_IF_ERROR(CheckCharge(owner, bytes));
+      }
+      if (auto p = TryAllocateTagged(stream, rounded, bytes, small, &report,
+                                     owner, label)) {
         return *std::move(p);
       }
     }
     core_internal::SpinLockHolder lock(&mu_);
     ++num_ooms_;
+    if (OwnerRec* o = FindOwner(owner)) ++o->ooms;
     StreamState* ss = GetStream(stream.value());
     ++tenants_[ss->tenant]->ooms;
     if (recorder_.enabled()) {
       recorder_.Record(TraceOp::kOom, 0, bytes, ss->stream, ss->tenant);
     }
     return absl::ResourceExhaustedError(report.ToString());
+  }
+
+  // TryAllocate with the block tagged for `owner` (TakeBlock reads the tag).
+  std::optional<absl::StatusOr<DevicePtr>> TryAllocateTagged(
+      StreamHandle stream, std::size_t rounded, std::size_t bytes, bool small,
+      OomReport* report, OwnerId owner, const char* label)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (owner == kNoOwner) {  // next_owner_ is kNoOwner between calls
+      return TryAllocate(stream, rounded, bytes, small, report);
+    }
+    next_owner_ = owner;
+    next_owner_rec_ = owners_[owner - 1].get();  // CheckCharge found it
+    next_label_ = label;
+    std::optional<absl::StatusOr<DevicePtr>> p =
+        TryAllocate(stream, rounded, bytes, small, report);
+    next_owner_ = kNoOwner;
+    next_owner_rec_ = nullptr;
+    next_label_ = nullptr;
+    return p;
   }
 
   // One attempt: the cached hot path, else the slow path (new memory, the
@@ -378,19 +453,26 @@ class CachingDeviceAllocator::Impl {
     return Traced(p, bytes, ss);
   }
 
-  absl::Status Deallocate(DevicePtr ptr) ABSL_LOCKS_EXCLUDED(mu_) {
+  // kChecked: `check` may refuse the free (the plain Deallocate passes
+  // none, and pays nothing for it).
+  template <bool kChecked>
+  absl::Status Deallocate(DevicePtr ptr, const FreeCheck& check)
+      ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::Deallocate"));
     core_internal::SpinLockHolder lock(&mu_);
     auto it = live_.find(ptr.address());
     if (ABSL_PREDICT_FALSE(it == live_.end())) {
-      ++invalid_frees_;
+      CountInvalidFree(check.owner);
       return absl::InvalidArgumentError(absl::StrFormat(
           "Deallocate(0x%x): not the start of a live block of this allocator "
           "(foreign pointer or double free)",
           ptr.address()));
     }
     Block* b = it->second;
+    if constexpr (kChecked) {
+      CTXPOOL_RETURN_IF_ERROR(CheckFree(*b, ptr, check));
+    }
     if (ABSL_PREDICT_FALSE(!b->stream_uses.empty())) {
       return DeallocateWithUses(b);
     }
@@ -411,16 +493,18 @@ class CachingDeviceAllocator::Impl {
     return absl::OkStatus();
   }
 
-  absl::Status RecordStream(DevicePtr ptr, StreamHandle stream)
+  absl::Status RecordStream(DevicePtr ptr, StreamHandle stream, OwnerId owner)
       ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::RecordStream"));
     core_internal::SpinLockHolder lock(&mu_);
     auto it = live_.find(ptr.address());
-    if (it == live_.end()) {
+    if (it == live_.end() ||
+        (owner != kAnyOwner && it->second->owner != owner)) {
       ++invalid_requests_;
       return absl::InvalidArgumentError(absl::StrFormat(
-          "RecordStream(0x%x): not the start of a live block", ptr.address()));
+          "RecordStream(0x%x): not the start of a live block%s", ptr.address(),
+          owner != kAnyOwner ? " of this owner" : ""));
     }
     Block* b = it->second;
     if (stream.value() == b->segment->stream) return absl::OkStatus();
@@ -429,6 +513,71 @@ class CachingDeviceAllocator::Impl {
     }
     b->stream_uses.push_back(stream.value());
     return absl::OkStatus();
+  }
+
+  // ---- Owners ----------------------------------------------------------
+
+  absl::StatusOr<OwnerId> RegisterOwner(absl::string_view name,
+                                        std::size_t max_live_bytes)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingDeviceAllocator::RegisterOwner"));
+    if (name.empty()) {
+      return absl::InvalidArgumentError("RegisterOwner: empty name");
+    }
+    auto o = std::make_unique<OwnerRec>();
+    o->name = std::string(name);
+    o->max = max_live_bytes;
+    core_internal::SpinLockHolder lock(&mu_);
+    if (owners_.size() >= kAnyOwner - 1) {
+      return absl::ResourceExhaustedError("RegisterOwner: out of owner ids");
+    }
+    owners_.push_back(std::move(o));
+    return static_cast<OwnerId>(owners_.size());
+  }
+
+  absl::StatusOr<OwnerStats> GetOwnerStats(OwnerId owner) const
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    core_internal::SpinLockHolder lock(&mu_);
+    const OwnerRec* o = FindOwner(owner);
+    if (o == nullptr) return UnknownOwner("GetOwnerStats", owner);
+    return ToStats(*o);
+  }
+
+  absl::StatusOr<std::vector<OwnedBlock>> OwnedBlocks(OwnerId owner) const
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    core_internal::SpinLockHolder lock(&mu_);
+    if (FindOwner(owner) == nullptr) return UnknownOwner("OwnedBlocks", owner);
+    return ListOwned(owner);
+  }
+
+  absl::StatusOr<std::vector<OwnedBlock>> CloseOwner(OwnerId owner)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    CTXPOOL_RETURN_IF_ERROR(
+        fork_guard_.Check("CachingDeviceAllocator::CloseOwner"));
+    core_internal::SpinLockHolder lock(&mu_);
+    OwnerRec* o = FindOwner(owner);
+    if (o == nullptr) return UnknownOwner("CloseOwner", owner);
+    o->closed = true;
+    return ListOwned(owner);
+  }
+
+  absl::StatusOr<OwnerStats> UnregisterOwner(OwnerId owner)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    core_internal::SpinLockHolder lock(&mu_);
+    OwnerRec* o = FindOwner(owner);
+    if (o == nullptr) return UnknownOwner("UnregisterOwner", owner);
+    if (o->allocs != o->frees) {
+      for (auto& [address, b] : live_) {
+        if (b->owner == owner) {
+          b->owner = kNoOwner;
+          b->owner_data = nullptr;
+        }
+      }
+    }
+    OwnerStats st = ToStats(*o);
+    owners_[owner - 1].reset();
+    return st;
   }
 
   // ---- Trim / Reset --------------------------------------------------------
@@ -743,6 +892,7 @@ class CachingDeviceAllocator::Impl {
     s.num_stream_waits = num_stream_waits_;
     s.num_host_syncs = num_host_syncs_;
     s.invalid_frees = invalid_frees_;
+    s.mismatched_frees = mismatched_frees_;
     s.invalid_requests = invalid_requests_;
     s.destroyed_streams = destroyed_streams_;
     s.driver_errors = driver_errors_ + vc.driver_errors;
@@ -1002,6 +1152,17 @@ class CachingDeviceAllocator::Impl {
     ++ss->ops;
     b->state = BlockState::kAllocated;
     b->requested = requested;
+    b->owner = next_owner_;
+    b->owner_data = next_owner_rec_;
+    b->label = next_label_;
+    if (next_owner_rec_ != nullptr) {
+      b->born_ticks = Ticks();
+      OwnerRec& o = *next_owner_rec_;
+      o.live += Charge(requested);
+      o.peak = std::max(o.peak, o.live);
+      o.requested += requested;
+      ++o.allocs;
+    }
     live_.emplace(b->address, b);
     const auto size = static_cast<std::int64_t>(b->size);
     Bump(ss, &PoolStats::allocation, small, 1);
@@ -1022,7 +1183,178 @@ class CachingDeviceAllocator::Impl {
          -static_cast<std::int64_t>(b->size));
     Bump(ss, &PoolStats::requested_bytes, seg->small,
          -static_cast<std::int64_t>(b->requested));
+    if (b->owner_data != nullptr) {
+      auto* o = static_cast<OwnerRec*>(b->owner_data);
+      o->live -= Charge(b->requested);
+      o->requested -= b->requested;
+      ++o->frees;
+      b->owner_data = nullptr;
+    }
+    b->owner = kNoOwner;
+    b->label = nullptr;
     b->requested = 0;
+  }
+
+  // ---- Owners: helpers -----------------------------------------------------
+
+  // What an owner is charged for a request.
+  std::size_t Charge(std::size_t bytes) const {
+    const std::size_t r = options_.round_bytes;  // a power of two
+    if (ABSL_PREDICT_FALSE(bytes >
+                           std::numeric_limits<std::size_t>::max() - r)) {
+      return std::numeric_limits<std::size_t>::max();  // saturates
+    }
+    return bytes == 0 ? r : (bytes + r - 1) & ~(r - 1);
+  }
+
+  OwnerRec* FindOwner(OwnerId owner) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (owner == kNoOwner || owner > owners_.size()) return nullptr;
+    return owners_[owner - 1].get();
+  }
+
+  static absl::Status UnknownOwner(absl::string_view call, OwnerId owner) {
+    return absl::NotFoundError(
+        absl::StrFormat("%s: owner %d is not registered", call, owner));
+  }
+
+  // OK when `owner` may be charged for `bytes` more.
+  ABSL_ATTRIBUTE_ALWAYS_INLINE absl::Status CheckCharge(OwnerId owner,
+                                                        std::size_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const OwnerRec* o = FindOwner(owner);
+    if (ABSL_PREDICT_TRUE(o != nullptr && !o->closed)) {
+      if (o->max == 0) return absl::OkStatus();
+      const std::size_t charge = Charge(bytes);
+      if (charge <= o->max && o->live <= o->max - charge) {
+        return absl::OkStatus();
+      }
+    }
+    return ChargeRefused(owner, bytes);
+  }
+  ABSL_ATTRIBUTE_NOINLINE absl::Status ChargeRefused(OwnerId owner,
+                                                     std::size_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    OwnerRec* o = FindOwner(owner);
+    if (ABSL_PREDICT_FALSE(o == nullptr)) {
+      ++invalid_requests_;
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "Allocate: owner %d is not registered with this allocator", owner));
+    }
+    if (ABSL_PREDICT_FALSE(o->closed)) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("Allocate: owner '%s' is closed", o->name));
+    }
+    const std::size_t charge = Charge(bytes);
+    if (o->max != 0 && (charge > o->max || o->live > o->max - charge)) {
+      ++o->rejections;
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "'%s' is over its memory budget on device %d: requested %d B (%d B "
+          "charged), live %d B, max %d B",
+          o->name, device_, bytes, charge, o->live, o->max));
+    }
+    return absl::OkStatus();
+  }
+
+  void CountInvalidFree(OwnerId owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (OwnerRec* o = FindOwner(owner)) {
+      ++o->invalid_frees;
+    } else {
+      ++invalid_frees_;
+    }
+  }
+
+  // Deallocate's FreeCheck on live block `b`.
+  ABSL_ATTRIBUTE_ALWAYS_INLINE absl::Status CheckFree(const Block& b,
+                                                      DevicePtr ptr,
+                                                      const FreeCheck& check)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (ABSL_PREDICT_TRUE(
+            (check.owner == kAnyOwner || b.owner == check.owner) &&
+            (!check.owned_only || b.owner != kNoOwner) &&
+            (check.requested_bytes == kAnyBytes ||
+             b.requested == check.requested_bytes))) {
+      return absl::OkStatus();
+    }
+    return FreeRefused(b, ptr, check);
+  }
+  ABSL_ATTRIBUTE_NOINLINE absl::Status FreeRefused(const Block& b,
+                                                   DevicePtr ptr,
+                                                   const FreeCheck& check)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if ((check.owner != kAnyOwner && b.owner != check.owner) ||
+        (check.owned_only && b.owner == kNoOwner)) {
+      CountInvalidFree(check.owner);
+      const OwnerRec* mine = FindOwner(check.owner);
+      const OwnerRec* theirs = FindOwner(b.owner);
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "Deallocate(0x%x): not a live allocation of %s (it belongs to "
+          "%s); nothing freed",
+          ptr.address(),
+          check.owner == kAnyOwner ? "any owner"
+          : mine != nullptr        ? absl::StrCat("'", mine->name, "'")
+                                   : std::string("an unknown owner"),
+          theirs != nullptr ? absl::StrCat("'", theirs->name, "'")
+                            : std::string("no owner")));
+    }
+    if (check.requested_bytes != kAnyBytes &&
+        b.requested != check.requested_bytes) {
+      CountInvalidFree(check.owner);
+      ++mismatched_frees_;
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "Deallocate(0x%x, %d bytes): the allocation was %d bytes; refused, "
+          "the block stays allocated",
+          ptr.address(), check.requested_bytes, b.requested));
+    }
+    return absl::OkStatus();
+  }
+
+  OwnerStats ToStats(const OwnerRec& o) const {
+    OwnerStats st;
+    st.name = o.name;
+    st.max_live_bytes = o.max;
+    st.live_bytes = o.live;
+    st.peak_live_bytes = o.peak;
+    st.requested_bytes = o.requested;
+    st.live_allocations = o.allocs - o.frees;
+    st.num_allocs = o.allocs;
+    st.num_frees = o.frees;
+    st.num_ooms = o.ooms;
+    st.num_budget_rejections = o.rejections;
+    st.invalid_frees = o.invalid_frees;
+    st.closed = o.closed;
+    return st;
+  }
+
+  // The live blocks of `owner`, by address, with their times on absl's
+  // clock (the tick rate measured since the allocator was created).
+  std::vector<OwnedBlock> ListOwned(OwnerId owner) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<OwnedBlock> out;
+    const std::int64_t now_ticks = Ticks();
+    const std::int64_t now_ns = absl::GetCurrentTimeNanos();
+    const double ns_per_tick =
+        now_ticks > born_ticks_
+            ? static_cast<double>(now_ns - born_ns_) /
+                  static_cast<double>(now_ticks - born_ticks_)
+            : 1.0;
+    for (const auto& [address, b] : live_) {
+      if (b->owner != owner) continue;
+      OwnedBlock ob;
+      ob.ptr = DevicePtr(b->address);
+      ob.requested_bytes = b->requested;
+      ob.charged_bytes = Charge(b->requested);
+      ob.stream = StreamHandle(b->segment->stream);
+      ob.label = b->label;
+      ob.allocated_at_ns =
+          now_ns -
+          static_cast<std::int64_t>(
+              static_cast<double>(now_ticks - b->born_ticks) * ns_per_tick);
+      out.push_back(ob);
+    }
+    std::sort(
+        out.begin(), out.end(),
+        [](const OwnedBlock& a, const OwnedBlock& b) { return a.ptr < b.ptr; });
+    return out;
   }
 
   // An allocated-or-pending block (already out of live_) becomes free:
@@ -2436,6 +2768,7 @@ class CachingDeviceAllocator::Impl {
   std::int64_t num_stream_waits_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t num_host_syncs_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t invalid_frees_ ABSL_GUARDED_BY(mu_) = 0;
+  std::int64_t mismatched_frees_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t invalid_requests_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t destroyed_streams_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t driver_errors_ ABSL_GUARDED_BY(mu_) = 0;
@@ -2444,6 +2777,15 @@ class CachingDeviceAllocator::Impl {
   ExpandableBacking vmm_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<Tenant>> tenants_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::uint64_t> bound_ ABSL_GUARDED_BY(mu_);
+  // By id - 1; a null slot was unregistered (ids are never reused).
+  std::vector<std::unique_ptr<OwnerRec>> owners_ ABSL_GUARDED_BY(mu_);
+  // The tag of the block TakeBlock hands out next (set by Allocate).
+  OwnerId next_owner_ ABSL_GUARDED_BY(mu_) = kNoOwner;
+  OwnerRec* next_owner_rec_ ABSL_GUARDED_BY(mu_) = nullptr;
+  const char* next_label_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // Block::born_ticks -> absl's clock (ListOwned).
+  const std::int64_t born_ticks_ = Ticks();
+  const std::int64_t born_ns_ = absl::GetCurrentTimeNanos();
 };
 
 namespace {
@@ -2703,6 +3045,37 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
         absl::StrFormat("I8: %d blocks from the arena, %d in segments",
                         blocks_.live(), blocks));
   }
+  // I13: each owner's live charge and count are the sums over its blocks,
+  // and only allocated blocks carry an owner of a registered slot.
+  {
+    std::vector<std::pair<std::size_t, std::int64_t>> sums(owners_.size());
+    for (const auto& [address, b] : live_) {
+      if (b->owner == kNoOwner) continue;
+      if (b->owner > owners_.size() || owners_[b->owner - 1] == nullptr) {
+        return absl::InternalError(absl::StrFormat(
+            "I13: block 0x%x has unregistered owner %d", address, b->owner));
+      }
+      if (b->owner_data != owners_[b->owner - 1].get()) {
+        return absl::InternalError(
+            absl::StrFormat("I13: block 0x%x: owner record is not owner %d's",
+                            address, b->owner));
+      }
+      sums[b->owner - 1].first += Charge(b->requested);
+      ++sums[b->owner - 1].second;
+    }
+    for (std::size_t i = 0; i < owners_.size(); ++i) {
+      const OwnerRec* o = owners_[i].get();
+      if (o == nullptr) continue;
+      if (o->live != sums[i].first || o->allocs - o->frees != sums[i].second ||
+          o->peak < o->live || (o->max != 0 && o->live > o->max)) {
+        return absl::InternalError(absl::StrFormat(
+            "I13: owner '%s' books %d B in %d blocks, its blocks hold %d B in "
+            "%d (peak %d, max %d)",
+            o->name, o->live, o->allocs - o->frees, sums[i].first,
+            sums[i].second, o->peak, o->max));
+      }
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -2755,14 +3128,49 @@ CachingDeviceAllocator::~CachingDeviceAllocator() = default;
 
 absl::StatusOr<DevicePtr> CachingDeviceAllocator::Allocate(
     std::size_t bytes, StreamHandle stream) {
-  return impl_->Allocate(bytes, stream);
+  return impl_->Allocate(bytes, stream, kNoOwner, nullptr);
+}
+absl::StatusOr<DevicePtr> CachingDeviceAllocator::Allocate(std::size_t bytes,
+                                                           StreamHandle stream,
+                                                           OwnerId owner,
+                                                           const char* label) {
+  return impl_->Allocate(bytes, stream, owner, label);
 }
 absl::Status CachingDeviceAllocator::Deallocate(DevicePtr ptr) noexcept {
-  return impl_->Deallocate(ptr);
+  return impl_->Deallocate<false>(ptr, FreeCheck{});
+}
+absl::Status CachingDeviceAllocator::Deallocate(
+    DevicePtr ptr, const FreeCheck& check) noexcept {
+  return impl_->Deallocate<true>(ptr, check);
 }
 absl::Status CachingDeviceAllocator::RecordStream(DevicePtr ptr,
                                                   StreamHandle stream) {
-  return impl_->RecordStream(ptr, stream);
+  return impl_->RecordStream(ptr, stream, kAnyOwner);
+}
+absl::Status CachingDeviceAllocator::RecordStream(DevicePtr ptr,
+                                                  StreamHandle stream,
+                                                  OwnerId owner) {
+  return impl_->RecordStream(ptr, stream, owner);
+}
+absl::StatusOr<OwnerId> CachingDeviceAllocator::RegisterOwner(
+    absl::string_view name, std::size_t max_live_bytes) {
+  return impl_->RegisterOwner(name, max_live_bytes);
+}
+absl::StatusOr<OwnerStats> CachingDeviceAllocator::GetOwnerStats(
+    OwnerId owner) const {
+  return impl_->GetOwnerStats(owner);
+}
+absl::StatusOr<std::vector<OwnedBlock>> CachingDeviceAllocator::OwnedBlocks(
+    OwnerId owner) const {
+  return impl_->OwnedBlocks(owner);
+}
+absl::StatusOr<std::vector<OwnedBlock>> CachingDeviceAllocator::CloseOwner(
+    OwnerId owner) {
+  return impl_->CloseOwner(owner);
+}
+absl::StatusOr<OwnerStats> CachingDeviceAllocator::UnregisterOwner(
+    OwnerId owner) {
+  return impl_->UnregisterOwner(owner);
 }
 absl::StatusOr<TrimResult> CachingDeviceAllocator::Trim(
     std::size_t keep_bytes) {

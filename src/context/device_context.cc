@@ -269,7 +269,7 @@ absl::StatusOr<std::unique_ptr<ModelSession>> DeviceContext::OpenSession(
   CTXPOOL_ASSIGN_OR_RETURN(std::vector<StreamHandle> leased,
                            LeaseStreams(streams, options.priority));
   // The model is a tenant of the allocator with the session's min and high;
-  // its max stays with the session (live bytes; see model_session.h). The
+  // its max is on live bytes, the owner's (below; see model_session.h). The
   // name is unique among tenants, so a concurrent OpenSession of the same
   // model fails here.
   CachingDeviceAllocator& alloc = device_allocator();
@@ -297,8 +297,17 @@ absl::StatusOr<std::unique_ptr<ModelSession>> DeviceContext::OpenSession(
                         absl::StrCat("DeviceContext::OpenSession('", name,
                                      "'): ", bound.message()));
   }
+  // The model's allocations carry it as their owner, which enforces the
+  // session's max on live bytes under the allocator's lock.
+  absl::StatusOr<OwnerId> owner = alloc.RegisterOwner(name, budget.max_bytes);
+  if (!owner.ok()) {
+    for (StreamHandle s : leased) alloc.UnbindStream(s).IgnoreError();
+    alloc.UnregisterTenant(*tenant).IgnoreError();
+    ReturnStreams(leased);
+    return owner.status();
+  }
   std::unique_ptr<ModelSession> session(new ModelSession(
-      this, std::string(name), std::move(leased), budget, *tenant));
+      this, std::string(name), std::move(leased), budget, *tenant, *owner));
   bool lost_race = false;
   {
     absl::MutexLock lock(&mu_);
@@ -316,10 +325,12 @@ absl::StatusOr<std::unique_ptr<ModelSession>> DeviceContext::OpenSession(
       alloc.UnbindStream(s).IgnoreError();
     }
     alloc.UnregisterTenant(session->tenant()).IgnoreError();
+    alloc.UnregisterOwner(session->owner()).IgnoreError();
     ReturnStreams(std::vector<StreamHandle>(session->streams().begin(),
                                             session->streams().end()));
-    absl::MutexLock session_lock(&session->mu_);
-    session->closed_ = true;  // nothing to close: never registered
+    // Nothing to close: never registered.
+    session->closing_.store(true, std::memory_order_release);
+    session->closed_.store(true, std::memory_order_release);
     return duplicate();
   }
   return session;

@@ -44,13 +44,6 @@ std::string LiveAllocation::ToString(absl::string_view model,
 
 // ---- SessionDeviceAllocator -------------------------------------------------
 
-absl::StatusOr<DevicePtr> SessionDeviceAllocator::Allocate(
-    std::size_t bytes, StreamHandle stream, const char* label) const {
-  return session_->Allocate(bytes, stream, label);
-}
-absl::Status SessionDeviceAllocator::Deallocate(DevicePtr ptr) const noexcept {
-  return session_->Deallocate(ptr);
-}
 absl::Status SessionDeviceAllocator::RecordStream(DevicePtr ptr,
                                                   StreamHandle stream) const {
   return session_->RecordStream(ptr, stream);
@@ -60,28 +53,18 @@ absl::Status SessionDeviceAllocator::RecordStream(DevicePtr ptr,
 
 ModelSession::ModelSession(DeviceContext* device, std::string name,
                            std::vector<StreamHandle> streams, Budget budget,
-                           TenantId tenant)
+                           TenantId tenant, OwnerId owner)
     : device_(device),
       allocator_(device->device_allocator()),
       name_(std::move(name)),
       streams_(std::move(streams)),
       budget_(budget),
       tenant_(tenant),
-      round_bytes_(std::max<std::size_t>(
-          1, device->device_allocator().options().round_bytes)) {
-  absl::MutexLock lock(&mu_);
-  stats_.min_bytes = budget_.min_bytes;
-  stats_.high_bytes = budget_.high_bytes;
-  stats_.max_bytes = budget_.max_bytes;
-  stats_.streams = static_cast<int>(streams_.size());
-}
+      owner_(owner) {}
 
 ModelSession::~ModelSession() {
   if (fork_guard_.InForkedChild()) return;  // no driver call: leak
-  {
-    absl::MutexLock lock(&mu_);
-    if (closed_) return;
-  }
+  if (closing_.load(std::memory_order_acquire)) return;
   absl::Status s = CloseImpl(/*from_destructor=*/true);
   if (!s.ok()) {
     std::fprintf(stderr, "ctxpool: session destroyed without Close: %s\n",
@@ -92,99 +75,39 @@ ModelSession::~ModelSession() {
 int ModelSession::device_ordinal() const { return device_->device(); }
 
 absl::Status ModelSession::CheckUsable(absl::string_view call) const {
-  if (closed_) {
+  if (closing_.load(std::memory_order_acquire)) {
     return absl::FailedPreconditionError(
         absl::StrCat(call, ": the session of model '", name_, "' is closed"));
   }
   return absl::OkStatus();
 }
 
-absl::Status ModelSession::OverBudget(std::size_t bytes,
-                                      std::size_t charge) const {
-  return absl::ResourceExhaustedError(
-      absl::StrCat("model '", name_, "' is over its memory budget on device ",
-                   device_->device(), ": requested ", bytes, " B (", charge,
-                   " B charged), live ", stats_.live_bytes, " B, max ",
-                   budget_.max_bytes, " B"));
-}
-
-absl::StatusOr<DevicePtr> ModelSession::Allocate(std::size_t bytes,
-                                                 StreamHandle stream,
-                                                 const char* label) {
+absl::Status ModelSession::AllocateFailed(const absl::Status& s) const {
   CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("ModelSession::Allocate"));
-  absl::MutexLock lock(&mu_);
   CTXPOOL_RETURN_IF_ERROR(CheckUsable("ModelSession::Allocate"));
-  constexpr std::size_t kMax = std::numeric_limits<std::size_t>::max();
-  std::size_t charge = round_bytes_;
-  if (bytes > kMax - round_bytes_) {
-    charge = kMax;
-  } else if (bytes > 0) {
-    charge = (bytes + round_bytes_ - 1) / round_bytes_ * round_bytes_;
-  }
-  // The max is checked here on live bytes, not by the allocator's tenant
-  // (which counts the mapped or reserved bytes of the model's streams; see
-  // the header). The tenant's errors are passed through with the model name.
-  if (budget_.max_bytes != 0 &&
-      (charge > budget_.max_bytes ||
-       stats_.live_bytes > budget_.max_bytes - charge)) {
-    ++stats_.num_budget_rejections;
-    return OverBudget(bytes, charge);
-  }
-  absl::StatusOr<DevicePtr> ptr = allocator_.Allocate(bytes, stream);
-  if (!ptr.ok()) {
-    if (absl::IsResourceExhausted(ptr.status())) ++stats_.num_ooms;
-    return ForModel(name_, ptr.status());
-  }
-  LiveAllocation& a = live_[*ptr];
-  a.ptr = *ptr;
-  a.bytes = bytes;
-  a.charged = charge;
-  a.stream = stream;
-  a.allocated_at_ns = absl::GetCurrentTimeNanos();
-  a.label = label;
-  stats_.live_bytes += charge;
-  stats_.requested_bytes += bytes;
-  stats_.peak_bytes = std::max(stats_.peak_bytes, stats_.live_bytes);
-  ++stats_.live_allocations;
-  ++stats_.num_allocs;
-  return *ptr;
+  return ForModel(name_, s);
 }
 
-absl::Status ModelSession::Deallocate(DevicePtr ptr) noexcept {
+absl::Status ModelSession::DeallocateFailed(const absl::Status& s) const {
   CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("ModelSession::Deallocate"));
-  absl::MutexLock lock(&mu_);
   CTXPOOL_RETURN_IF_ERROR(CheckUsable("ModelSession::Deallocate"));
-  auto it = live_.find(ptr);
-  if (it == live_.end()) {
-    ++stats_.invalid_frees;
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "model '%s': 0x%x is not a live allocation of this session (double "
-        "free, or memory of another session or allocator)",
-        name_, ptr.address()));
+  if (absl::IsInvalidArgument(s)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model '", name_, "': ", s.message(),
+        " (double free, or memory of another session or allocator)"));
   }
-  const std::size_t charged = it->second.charged;
-  const std::size_t bytes = it->second.bytes;
-  live_.erase(it);
-  stats_.live_bytes -= charged;
-  stats_.requested_bytes -= bytes;
-  --stats_.live_allocations;
-  ++stats_.num_frees;
-  absl::Status s = allocator_.Deallocate(ptr);
-  if (!s.ok()) return ForModel(name_, s);
-  return absl::OkStatus();
+  return ForModel(name_, s);
 }
 
 absl::Status ModelSession::RecordStream(DevicePtr ptr, StreamHandle stream) {
   CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("ModelSession::RecordStream"));
-  absl::MutexLock lock(&mu_);
   CTXPOOL_RETURN_IF_ERROR(CheckUsable("ModelSession::RecordStream"));
-  if (!live_.contains(ptr)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "model '%s': RecordStream of 0x%x, not a live allocation of this "
-        "session",
-        name_, ptr.address()));
+  absl::Status s = allocator_.RecordStream(ptr, stream, owner_);
+  if (!s.ok()) {
+    CTXPOOL_RETURN_IF_ERROR(CheckUsable("ModelSession::RecordStream"));
+    return ForModel(name_, s);
   }
-  return allocator_.RecordStream(ptr, stream);
+  return s;
 }
 
 absl::StatusOr<EventHandle> ModelSession::AcquireEvent() {
@@ -206,7 +129,7 @@ absl::Status ModelSession::ReleaseEvent(EventHandle event) {
   bool closed = false;
   {
     absl::MutexLock lock(&mu_);
-    closed = closed_;
+    closed = closing_.load(std::memory_order_acquire);
     if (!closed) idle_events_.push_back(event);
   }
   if (closed) device_->ReturnEvents({event});
@@ -233,7 +156,6 @@ absl::Status ModelSession::Warmup(const WarmupPlan& plan) {
   {
     absl::MutexLock lock(&mu_);
     CTXPOOL_RETURN_IF_ERROR(CheckUsable("ModelSession::Warmup"));
-    live_.reserve(live_.size() + total);
     idle_events_.reserve(idle_events_.size() +
                          static_cast<std::size_t>(plan.events) + 16);
   }
@@ -276,25 +198,22 @@ absl::Status ModelSession::Close() { return CloseImpl(false); }
 
 absl::Status ModelSession::CloseImpl(bool from_destructor) {
   CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("ModelSession::Close"));
-  std::vector<LiveAllocation> leaks;
+  if (closing_.exchange(true, std::memory_order_acq_rel)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("ModelSession::Close: the session of model '", name_,
+                     "' is closed already"));
+  }
+  // From here the allocator refuses the model's allocations; what is still
+  // live is the leak list.
+  std::vector<OwnedBlock> leaks;
+  absl::StatusOr<std::vector<OwnedBlock>> owned = allocator_.CloseOwner(owner_);
+  if (owned.ok()) leaks = *std::move(owned);
+  closed_.store(true, std::memory_order_release);
   std::vector<EventHandle> events;
   {
     absl::MutexLock lock(&mu_);
-    if (closed_) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("ModelSession::Close: the session of model '", name_,
-                       "' is closed already"));
-    }
-    closed_ = true;
-    leaks.reserve(live_.size());
-    for (auto& [ptr, a] : live_) leaks.push_back(a);
-    live_.clear();
     events.swap(idle_events_);
   }
-  std::sort(leaks.begin(), leaks.end(),
-            [](const LiveAllocation& a, const LiveAllocation& b) {
-              return a.ptr < b.ptr;
-            });
 
   // Wait for the model's work, so that nothing it enqueued still runs when
   // its memory and streams go to the next model.
@@ -308,20 +227,19 @@ absl::Status ModelSession::CloseImpl(bool from_destructor) {
     }
   }
   std::size_t leaked_bytes = 0;
-  absl::Status reclaim;
-  for (const LiveAllocation& a : leaks) {
-    leaked_bytes += a.charged;
-    absl::Status s = allocator_.Deallocate(a.ptr);
-    if (reclaim.ok() && !s.ok()) reclaim = s;
+  absl::Status reclaim = owned.status();
+  for (const OwnedBlock& a : leaks) {
+    leaked_bytes += a.charged_bytes;
+    absl::Status s = allocator_.Deallocate(a.ptr, FreeCheck{.owner = owner_});
+    // A block the caller freed concurrently with Close is gone already.
+    if (reclaim.ok() && !s.ok() && !absl::IsInvalidArgument(s)) reclaim = s;
   }
+  absl::StatusOr<OwnerStats> final_stats = allocator_.UnregisterOwner(owner_);
   {
     absl::MutexLock lock(&mu_);
-    stats_.leaked_allocations += static_cast<std::int64_t>(leaks.size());
-    stats_.leaked_bytes += leaked_bytes;
-    stats_.live_bytes = 0;
-    stats_.requested_bytes = 0;
-    stats_.live_allocations = 0;
-    stats_.closed = true;
+    if (final_stats.ok()) final_ = *std::move(final_stats);
+    leaked_allocations_ += static_cast<std::int64_t>(leaks.size());
+    leaked_bytes_ += leaked_bytes;
   }
   // The memory is back in the allocator: give the streams back to the
   // default tenant (with what they cache) and forget the model's tenant, so
@@ -347,7 +265,10 @@ absl::Status ModelSession::CloseImpl(bool from_destructor) {
                     leaked_bytes, " B (reclaimed):");
     const std::int64_t now = absl::GetCurrentTimeNanos();
     for (std::size_t i = 0; i < leaks.size() && i < kMaxLeaksListed; ++i) {
-      absl::StrAppend(&msg, "\n  leak: ", leaks[i].ToString(name_, now));
+      const OwnedBlock& b = leaks[i];
+      LiveAllocation a{b.ptr,    b.requested_bytes, b.charged_bytes,
+                       b.stream, b.allocated_at_ns, b.label};
+      absl::StrAppend(&msg, "\n  leak: ", a.ToString(name_, now));
     }
     if (leaks.size() > kMaxLeaksListed) {
       absl::StrAppend(&msg, "\n  ... and ", leaks.size() - kMaxLeaksListed,
@@ -370,29 +291,53 @@ absl::Status ModelSession::CloseImpl(bool from_destructor) {
 
 std::vector<LiveAllocation> ModelSession::LiveAllocations() const {
   std::vector<LiveAllocation> out;
-  {
-    absl::MutexLock lock(&mu_);
-    out.reserve(live_.size());
-    for (const auto& [ptr, a] : live_) out.push_back(a);
+  if (closed() || fork_guard_.InForkedChild()) return out;
+  absl::StatusOr<std::vector<OwnedBlock>> owned =
+      allocator_.OwnedBlocks(owner_);
+  if (!owned.ok()) return out;
+  out.reserve(owned->size());
+  for (const OwnedBlock& b : *owned) {
+    out.push_back(LiveAllocation{b.ptr, b.requested_bytes, b.charged_bytes,
+                                 b.stream, b.allocated_at_ns, b.label});
   }
-  std::sort(out.begin(), out.end(),
-            [](const LiveAllocation& a, const LiveAllocation& b) {
-              return a.ptr < b.ptr;
-            });
   return out;
 }
 
 bool ModelSession::closed() const {
-  absl::MutexLock lock(&mu_);
-  return closed_;
+  return closed_.load(std::memory_order_acquire);
 }
 
 SessionStats ModelSession::Stats() const {
   SessionStats s;
+  s.min_bytes = budget_.min_bytes;
+  s.high_bytes = budget_.high_bytes;
+  s.max_bytes = budget_.max_bytes;
+  s.streams = static_cast<int>(streams_.size());
+  std::optional<OwnerStats> owner;
   {
     absl::MutexLock lock(&mu_);
-    s = stats_;
     s.idle_events = static_cast<int>(idle_events_.size());
+    s.leaked_allocations = leaked_allocations_;
+    s.leaked_bytes = leaked_bytes_;
+    owner = final_;
+  }
+  s.closed = closed();
+  if (!owner.has_value() && !fork_guard_.InForkedChild()) {
+    absl::StatusOr<OwnerStats> o = allocator_.GetOwnerStats(owner_);
+    if (o.ok()) owner = *std::move(o);
+  }
+  if (owner.has_value()) {
+    s.peak_bytes = owner->peak_live_bytes;
+    s.num_allocs = owner->num_allocs;
+    s.num_frees = owner->num_frees;
+    s.num_ooms = owner->num_ooms;
+    s.num_budget_rejections = owner->num_budget_rejections;
+    s.invalid_frees = owner->invalid_frees;
+    if (!s.closed) {
+      s.live_bytes = owner->live_bytes;
+      s.requested_bytes = owner->requested_bytes;
+      s.live_allocations = owner->live_allocations;
+    }
   }
   if (s.closed || fork_guard_.InForkedChild()) return s;
   // The allocator's memory on this session's streams: its tenant's.

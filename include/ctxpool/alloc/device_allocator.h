@@ -51,10 +51,19 @@
 // must be deallocated like any other; this keeps "every successful Allocate
 // has one Deallocate" true for callers such as PyTorch that ask for 0 bytes.
 //
-// Thread-safety: all methods are thread-safe (one absl::Mutex). The cached
+// Thread-safety: all methods are thread-safe (one spin lock). The cached
 // path of Allocate and Deallocate takes that lock once, makes no driver call
-// and no heap allocation. Slow paths make the allocator's context current
-// around their driver calls (ScopedContext) and restore the caller's.
+// and no heap allocation; so do the owned calls (Owners, below), which the
+// session and the PyTorch plugin use. Slow paths make the allocator's
+// context current around their driver calls (ScopedContext) and restore the
+// caller's. Threads on different streams still share that one lock and its
+// cache lines (see docs/architecture.md, "Front end, pool, backing").
+//
+// Owners: RegisterOwner names who allocates (a ModelSession, a plugin's
+// model); an owned Allocate keeps the owner, a label and the time in the
+// block and charges the owner's live bytes against its max under the same
+// lock, and an owned Deallocate refuses blocks of another owner (or of
+// another size, FreeCheck) before it frees anything. No side table.
 //
 // Expandable segments (BackingMode::kExpandable, needs a device with VMM):
 // each (stream, pool) reserves one virtual range twice the size of the device's
@@ -281,6 +290,9 @@ struct DeviceAllocatorStats {
   std::int64_t num_stream_waits = 0;  // cross-stream reuses ordered by events
   std::int64_t num_host_syncs = 0;    // event/stream synchronises (OOM, Trim)
   std::int64_t invalid_frees = 0;     // foreign pointer, double free
+  // Of those, frees refused because FreeCheck::requested_bytes differed
+  // from the allocation's size.
+  std::int64_t mismatched_frees = 0;
   std::int64_t invalid_requests = 0;  // bad sizes, bad streams
   // Streams found destroyed while the allocator still cached their memory;
   // their work was waited for (a context synchronise) before reuse.
@@ -301,6 +313,50 @@ struct DeviceAllocatorStats {
   std::size_t granule_cache_bytes = 0;
 };
 
+// An owner of allocations (see "Owners" in the banner): 0 is none.
+using OwnerId = std::uint32_t;
+inline constexpr OwnerId kNoOwner = 0;
+// For Deallocate / RecordStream: whatever owns the block.
+inline constexpr OwnerId kAnyOwner = std::numeric_limits<OwnerId>::max();
+inline constexpr std::size_t kAnyBytes =
+    std::numeric_limits<std::size_t>::max();
+
+// What Deallocate checks before it frees anything.
+struct FreeCheck {
+  OwnerId owner = kAnyOwner;  // the block must belong to this owner
+  // ... and have been requested with exactly this many bytes (PyTorch's
+  // free passes the size): a mismatch is refused and counted.
+  std::size_t requested_bytes = kAnyBytes;
+  // With owner == kAnyOwner: refuse a block that has no owner (memory the
+  // caller's layer did not hand out, e.g. taken from the allocator bare).
+  bool owned_only = false;
+};
+
+struct OwnerStats {
+  std::string name;
+  std::size_t max_live_bytes = 0;  // 0: no limit
+  std::size_t live_bytes = 0;      // charged (see RegisterOwner)
+  std::size_t peak_live_bytes = 0;
+  std::size_t requested_bytes = 0;  // as asked, of live allocations
+  std::int64_t live_allocations = 0;
+  std::int64_t num_allocs = 0;
+  std::int64_t num_frees = 0;
+  std::int64_t num_ooms = 0;               // device (or tenant) exhausted
+  std::int64_t num_budget_rejections = 0;  // over max_live_bytes
+  std::int64_t invalid_frees = 0;          // not a live block of the owner
+  bool closed = false;
+};
+
+// A live block of an owner.
+struct OwnedBlock {
+  DevicePtr ptr;
+  std::size_t requested_bytes = 0;
+  std::size_t charged_bytes = 0;
+  StreamHandle stream;               // allocation stream
+  const char* label = nullptr;       // as given to Allocate
+  std::int64_t allocated_at_ns = 0;  // absl::GetCurrentTimeNanos() clock
+};
+
 struct BlockInfo {
   DevicePtr ptr;
   std::size_t size = 0;             // rounded size of the block
@@ -311,6 +367,8 @@ struct BlockInfo {
   // for blocks in use; in expandable mode a free block may lie partly or
   // wholly on unmapped granules (virtual space only).
   std::size_t mapped_bytes = 0;
+  OwnerId owner = kNoOwner;     // allocated blocks: their owner
+  const char* label = nullptr;  // allocated blocks: their label
 };
 
 struct SegmentInfo {
@@ -376,6 +434,46 @@ class CachingDeviceAllocator {
   // stream's (as with any cross-stream use). A no-op for the allocation
   // stream. INVALID_ARGUMENT for a pointer that is not a live block.
   absl::Status RecordStream(DevicePtr ptr, StreamHandle stream);
+
+  // ---- Owners --------------------------------------------------------------
+  // An owner is who allocated a block (a ModelSession, a plugin's model):
+  // the allocator keeps the owner, a label and the allocation time in the
+  // block itself and charges the owner's live bytes under the same lock
+  // that serves the block, so an owned Allocate or Deallocate is one
+  // critical section with no side table and no heap allocation. A charge is
+  // the request rounded up to options().round_bytes (round_bytes for size
+  // 0). Owners are not tenants: a tenant is charged the physical memory its
+  // streams hold, an owner the live bytes it asked for, on any stream.
+  //
+  // Registers an owner; `max_live_bytes` (0: none) is a hard limit on its
+  // charged live bytes, exact under concurrency: an Allocate that would
+  // pass it fails with RESOURCE_EXHAUSTED and counts a budget rejection.
+  // Ids are never reused. INVALID_ARGUMENT for an empty name.
+  absl::StatusOr<OwnerId> RegisterOwner(absl::string_view name,
+                                        std::size_t max_live_bytes = 0);
+  // Allocate, charged to `owner` (kNoOwner: as the plain Allocate) and
+  // labelled `label` (REQUIRES: null or outlives the block). Also
+  // INVALID_ARGUMENT for an unknown owner, FAILED_PRECONDITION for a closed
+  // one.
+  absl::StatusOr<DevicePtr> Allocate(std::size_t bytes, StreamHandle stream,
+                                     OwnerId owner,
+                                     const char* label = nullptr);
+  // Deallocate after `check`: INVALID_ARGUMENT, with nothing freed, for a
+  // block of another owner or of another size. Counted in the owner's
+  // invalid_frees when check.owner names one, else in the allocator's.
+  absl::Status Deallocate(DevicePtr ptr, const FreeCheck& check) noexcept;
+  // RecordStream for a block of `owner` (INVALID_ARGUMENT otherwise).
+  absl::Status RecordStream(DevicePtr ptr, StreamHandle stream, OwnerId owner);
+  // NOT_FOUND for an unknown (or unregistered) owner.
+  absl::StatusOr<OwnerStats> GetOwnerStats(OwnerId owner) const;
+  // The owner's live blocks, by address.
+  absl::StatusOr<std::vector<OwnedBlock>> OwnedBlocks(OwnerId owner) const;
+  // Refuses the owner's further allocations (FAILED_PRECONDITION); its
+  // blocks may still be freed. Returns its live blocks, by address.
+  absl::StatusOr<std::vector<OwnedBlock>> CloseOwner(OwnerId owner);
+  // Forgets the owner and returns its final stats; blocks still live stay
+  // allocated and are owned by nobody from then on.
+  absl::StatusOr<OwnerStats> UnregisterOwner(OwnerId owner);
 
   // Returns cached memory to the driver until at most `keep_bytes` stay
   // reserved beyond live blocks, largest wholly free segments first

@@ -25,10 +25,12 @@
 // 0 and no limit) and binds its leased streams to it, so that the allocator
 // protects `min_bytes` of the model's memory from reclaim by other models and
 // returns its free granules above `high_bytes`; GetTenantStats(tenant())
-// shows them. `max_bytes` is hard and is enforced by the session on LIVE
-// bytes: an allocation that would take the model's live bytes (each request
-// rounded up to the allocator's 512 B unit) above it fails with
-// RESOURCE_EXHAUSTED naming the model; other models are unaffected. It is not
+// shows them. `max_bytes` is hard and is enforced on LIVE bytes, by the
+// allocator's owner record of the model (owner(), under the allocator's
+// lock, so it is exact under concurrency): an allocation that would take
+// the model's live bytes (each request rounded up to the allocator's 512 B
+// unit) above it fails with RESOURCE_EXHAUSTED naming the model; other
+// models are unaffected. It is not
 // the tenant's max, because the allocator's tenant max counts physical bytes
 // the model's streams hold (mapped 2 MiB granules in expandable mode,
 // reserved segments in classic mode, both including free cached memory), so
@@ -42,19 +44,24 @@
 // with FAILED_PRECONDITION and the destructor makes no driver call.
 //
 // Thread-safety: all methods are thread-safe; a session may serve requests
-// from several threads. Allocations of one session are serialised by the
-// session's lock (different sessions do not contend on it).
+// from several threads. Allocate and Deallocate take no lock of the
+// session's: they are inline front ends over the device allocator's owned
+// calls (CachingDeviceAllocator::RegisterOwner), which keep the model's
+// label, time and charge in the block and check `max_bytes` under the
+// allocator's own lock — one critical section per call, no heap allocation,
+// no side table (docs/architecture.md, "Front end, pool, backing").
 #ifndef CTXPOOL_CONTEXT_MODEL_SESSION_H_
 #define CTXPOOL_CONTEXT_MODEL_SESSION_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/base/optimization.h"
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -142,9 +149,11 @@ class SessionDeviceAllocator {
  public:
   explicit SessionDeviceAllocator(ModelSession* session) : session_(session) {}
   // As ModelSession::Allocate / Deallocate / RecordStream.
-  absl::StatusOr<DevicePtr> Allocate(std::size_t bytes, StreamHandle stream,
-                                     const char* label = nullptr) const;
-  absl::Status Deallocate(DevicePtr ptr) const noexcept;
+  // (Inline: the session's front end, below.)
+  inline absl::StatusOr<DevicePtr> Allocate(std::size_t bytes,
+                                            StreamHandle stream,
+                                            const char* label = nullptr) const;
+  inline absl::Status Deallocate(DevicePtr ptr) const noexcept;
   absl::Status RecordStream(DevicePtr ptr, StreamHandle stream) const;
   ModelSession& session() const { return *session_; }
 
@@ -163,6 +172,9 @@ class ModelSession {
   // The model's tenant in device().device_allocator(), registered under
   // name() from OpenSession until Close (then the id may be reused).
   TenantId tenant() const { return tenant_; }
+  // The model's owner in device().device_allocator(): its blocks carry it.
+  // Unregistered by Close (owner ids are never reused).
+  OwnerId owner() const { return owner_; }
   DeviceContext& device() const { return *device_; }
   int device_ordinal() const;
 
@@ -231,14 +243,15 @@ class ModelSession {
   };
   ModelSession(DeviceContext* device, std::string name,
                std::vector<StreamHandle> streams, Budget budget,
-               TenantId tenant);
+               TenantId tenant, OwnerId owner);
 
-  absl::Status CheckUsable(absl::string_view call) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckUsable(absl::string_view call) const;
+  // The slow ends of Allocate / Deallocate / RecordStream: the error with
+  // the model's name (or the closed session's).
+  absl::Status AllocateFailed(const absl::Status& s) const;
+  absl::Status DeallocateFailed(const absl::Status& s) const;
   // Close's body; `from_destructor` counts the session as not closed.
   absl::Status CloseImpl(bool from_destructor) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status OverBudget(std::size_t bytes, std::size_t charge) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   DeviceContext* const device_;
   CachingDeviceAllocator& allocator_;
@@ -246,15 +259,48 @@ class ModelSession {
   const std::vector<StreamHandle> streams_;
   const Budget budget_;
   const TenantId tenant_;
-  const std::size_t round_bytes_;
+  const OwnerId owner_;
   const ForkGuard fork_guard_;
 
+  // Set once each, by Close (or by OpenSession for a session that lost a
+  // race): closing_ first (a second Close fails, errors name the closed
+  // session), closed_ once the allocator refuses the owner's allocations.
+  std::atomic<bool> closing_{false};
+  std::atomic<bool> closed_{false};
   mutable absl::Mutex mu_;
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;
-  absl::flat_hash_map<DevicePtr, LiveAllocation> live_ ABSL_GUARDED_BY(mu_);
   std::vector<EventHandle> idle_events_ ABSL_GUARDED_BY(mu_);
-  SessionStats stats_ ABSL_GUARDED_BY(mu_);
+  // The owner's last stats, kept by Close, and what Close found leaked.
+  std::optional<OwnerStats> final_ ABSL_GUARDED_BY(mu_);
+  std::int64_t leaked_allocations_ ABSL_GUARDED_BY(mu_) = 0;
+  std::size_t leaked_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
+
+// The front end: inline, one call into the pool (which checks fork(), the
+// owner's budget and whether it is closed; the failure paths name the
+// model).
+inline absl::StatusOr<DevicePtr> ModelSession::Allocate(std::size_t bytes,
+                                                        StreamHandle stream,
+                                                        const char* label) {
+  absl::StatusOr<DevicePtr> p =
+      allocator_.Allocate(bytes, stream, owner_, label);
+  if (ABSL_PREDICT_FALSE(!p.ok())) p = AllocateFailed(p.status());
+  return p;  // one object, built in place: no copy on the hot path
+}
+
+inline absl::Status ModelSession::Deallocate(DevicePtr ptr) noexcept {
+  absl::Status s = allocator_.Deallocate(ptr, FreeCheck{.owner = owner_});
+  if (ABSL_PREDICT_FALSE(!s.ok())) s = DeallocateFailed(s);
+  return s;
+}
+
+inline absl::StatusOr<DevicePtr> SessionDeviceAllocator::Allocate(
+    std::size_t bytes, StreamHandle stream, const char* label) const {
+  return session_->Allocate(bytes, stream, label);
+}
+inline absl::Status SessionDeviceAllocator::Deallocate(
+    DevicePtr ptr) const noexcept {
+  return session_->Deallocate(ptr);
+}
 
 }  // namespace ctxpool
 

@@ -56,6 +56,13 @@ struct Block : FreeIndexNode {
   bool quarantined = false;
   // Events still to complete before a kPendingFree block becomes kFree.
   int pending_events = 0;
+  // Allocated blocks: who asked for it (an allocator's owner id, 0: none,
+  // and the allocator's record of that owner, opaque here), its label, and
+  // when (in the allocator's tick clock).
+  std::uint32_t owner = 0;
+  void* owner_data = nullptr;
+  const char* label = nullptr;
+  std::int64_t born_ticks = 0;
   // Streams other than the owner that used the block (RecordStream).
   absl::InlinedVector<std::uint64_t, 2> stream_uses;
 
@@ -95,6 +102,9 @@ class BlockPool {
     b->unmapped = false;
     b->quarantined = false;
     b->pending_events = 0;
+    b->owner = 0;
+    b->owner_data = nullptr;
+    b->label = nullptr;
     b->stream_uses.clear();
     b->next = free_;
     free_ = b;

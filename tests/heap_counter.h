@@ -1,0 +1,47 @@
+// tests/heap_counter.h — counts the calling thread's heap allocations, to
+// prove a cached path does not allocate.
+//
+// Replaces the global operator new / delete of the test executable (a
+// dlopened library's operator new resolves to it too), so include it from
+// exactly ONE translation unit per test binary. TSan's runtime defines
+// operator new itself: there CTXPOOL_TEST_TSAN is defined, nothing is
+// replaced and the tests that count skip.
+//
+//   g_allocations = 0;
+//   g_count_allocations = true;
+//   ... the path under test ...
+//   g_count_allocations = false;
+//   EXPECT_EQ(g_allocations, 0);
+#ifndef CTXPOOL_TESTS_HEAP_COUNTER_H_
+#define CTXPOOL_TESTS_HEAP_COUNTER_H_
+
+#include <cstdint>
+#include <cstdlib>
+#include <new>
+
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define CTXPOOL_TEST_TSAN 1
+#endif
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define CTXPOOL_TEST_TSAN 1
+#endif
+
+namespace {
+thread_local bool g_count_allocations = false;
+thread_local std::int64_t g_allocations = 0;
+}  // namespace
+
+#ifndef CTXPOOL_TEST_TSAN
+void* operator new(std::size_t n) {
+  if (g_count_allocations) ++g_allocations;
+  void* p = std::malloc(n == 0 ? 1 : n);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+#endif
+
+#endif  // CTXPOOL_TESTS_HEAP_COUNTER_H_
