@@ -31,10 +31,14 @@
 namespace {
 thread_local bool g_count_allocations = false;
 thread_local std::int64_t g_allocations = 0;
+// While set, operator new of this thread throws std::bad_alloc (host memory
+// running out in the middle of a call).
+thread_local bool g_fail_allocations = false;
 }  // namespace
 
 #ifndef CTXPOOL_TEST_TSAN
 void* operator new(std::size_t n) {
+  if (g_fail_allocations) throw std::bad_alloc();
   if (g_count_allocations) ++g_allocations;
   void* p = std::malloc(n == 0 ? 1 : n);
   if (p == nullptr) throw std::bad_alloc();

@@ -651,5 +651,98 @@ TEST_F(ModelSessionTest, AllocateRacingCloseNeverOutlivesTheSession) {
   }
 }
 
+TEST_F(ModelSessionTest, StatsDuringCloseNeverLoseTheCounters) {
+  // Close unregisters the owner and keeps its final figures in one step, so
+  // a Stats() racing with it sees one or the other, never zeros.
+  for (int trial = 0; trial < 300; ++trial) {
+    ModelSession& m = Open(absl::StrCat("s", trial));
+    std::vector<DevicePtr> blocks;
+    for (int i = 0; i < 20; ++i)
+      blocks.push_back(*m.Allocate(512, m.stream(0)));
+    for (int i = 0; i < 10; ++i) ASSERT_TRUE(m.Deallocate(blocks[i]).ok());
+    std::atomic<bool> done{false};
+    std::atomic<int> wrong{0};
+    std::thread poll([&] {
+      while (!done.load()) {
+        const SessionStats st = m.Stats();
+        if (st.num_allocs != 20) ++wrong;
+        if (!st.closed && st.live_allocations != 10) ++wrong;
+      }
+    });
+    (void)m.Close();  // 10 leaks
+    done = true;
+    poll.join();
+    EXPECT_EQ(wrong.load(), 0) << trial;
+    EXPECT_EQ(m.Stats().num_allocs, 20);
+    EXPECT_EQ(m.Stats().leaked_allocations, 10);
+    sessions_.clear();
+  }
+}
+
+TEST_F(ModelSessionTest, CloseRacingFreesCountsOnlyWhatItReclaimed) {
+  for (int trial = 0; trial < 50; ++trial) {
+    ModelSession& m = Open(absl::StrCat("r", trial), {.streams = 2});
+    std::vector<DevicePtr> blocks;
+    for (int i = 0; i < 64; ++i)
+      blocks.push_back(*m.Allocate(4096, m.stream(0)));
+    std::atomic<int> freed{0};
+    std::atomic<bool> go{false};
+    std::thread t([&] {
+      while (!go.load()) {
+      }
+      for (DevicePtr p : blocks) {
+        if (m.Deallocate(p).ok()) ++freed;
+      }
+    });
+    go = true;
+    const absl::Status closed = m.Close();
+    t.join();
+    const SessionStats st = m.Stats();
+    EXPECT_EQ(st.leaked_allocations + freed.load(), 64) << closed;
+    EXPECT_EQ(st.leaked_bytes,
+              static_cast<std::size_t>(64 - freed.load()) * 4096);
+    EXPECT_EQ(st.invalid_frees, 0);
+    EXPECT_EQ(DeviceLive(), 0);
+    sessions_.clear();
+  }
+}
+
+TEST_F(ModelSessionTest, FreeAfterCloseIsRefusedAndCountsNowhere) {
+  ModelSession& m = Open("a");
+  const DevicePtr p = *m.Allocate(4096, m.stream(0));
+  (void)m.Close();  // reclaims p
+  const std::int64_t before = dc_->device_allocator().Stats().invalid_frees;
+  EXPECT_EQ(m.Deallocate(p).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(dc_->device_allocator().Stats().invalid_frees, before);
+}
+
+TEST_F(ModelSessionTest, HostBadAllocInAnOwnedAllocateLeavesNoTagBehind) {
+#ifdef CTXPOOL_TEST_TSAN
+  GTEST_SKIP() << "TSan replaces operator new";
+#endif
+  ModelSession& m = Open("m");
+  CachingDeviceAllocator& a = dc_->device_allocator();
+  const StreamHandle other = m.stream(0);
+  bool threw = false;
+  g_fail_allocations = true;  // the new segment's bookkeeping cannot be made
+  try {
+    (void)m.Allocate(64 << 20, m.stream(0), "boom");
+  } catch (const std::bad_alloc&) {
+    threw = true;
+  }
+  g_fail_allocations = false;
+  ASSERT_TRUE(threw);
+  // A plain allocation afterwards belongs to nobody.
+  absl::StatusOr<DevicePtr> p = a.Allocate(4096, other);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(a.Lookup(*p)->owner, kNoOwner);
+  EXPECT_EQ(a.Lookup(*p)->label, nullptr);
+  EXPECT_EQ(m.Stats().live_allocations, 0);
+  EXPECT_TRUE(m.Close().ok());
+  EXPECT_TRUE(a.Lookup(*p).ok());  // Close did not take it
+  EXPECT_TRUE(a.CheckInvariants().ok());
+  EXPECT_TRUE(a.Deallocate(*p).ok());
+}
+
 }  // namespace
 }  // namespace ctxpool

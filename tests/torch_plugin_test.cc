@@ -227,6 +227,28 @@ TEST_F(TorchPluginTest, SizeOrDeviceMismatchIsRefusedAndTheBlockStaysLive) {
   EXPECT_EQ(Stat("num_invalid_frees"), 2);
 }
 
+TEST_F(TorchPluginTest, WrongDeviceThatIsOpenCountsOnceAndHugeSizesAreChecked) {
+  void* a = api_.malloc(4096, 0, nullptr);
+  void* b = api_.malloc(8192, 1, nullptr);  // device 1 is open now
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  api_.free(a, 4096, 1, nullptr);  // the wrong device
+  EXPECT_NE(LastError().find("on device 0"), std::string::npos) << LastError();
+  EXPECT_EQ(Stat("num_invalid_frees", 1), 1);
+  EXPECT_EQ(Stat("num_mismatched_frees", 1), 1);
+  // Every size is compared, SIZE_MAX included: refused, nothing freed.
+  const int64_t mismatched = Stat("num_mismatched_frees", 0);
+  api_.free(a, SIZE_MAX, 0, nullptr);
+  EXPECT_NE(LastError().find("was 4096 bytes"), std::string::npos)
+      << LastError();
+  EXPECT_EQ(Stat("allocation.all.current", 0), 1);
+  EXPECT_EQ(Stat("num_mismatched_frees", 0), mismatched + 1);
+  api_.free(a, 4096, 0, nullptr);
+  api_.free(b, 8192, 1, nullptr);
+  EXPECT_EQ(Stat("allocation.all.current", 0), 0);
+  EXPECT_EQ(Stat("allocation.all.current", 1), 0);
+}
+
 TEST_F(TorchPluginTest, TryMallocOutOfMemoryReturnsNullWithAReport) {
   void* a = api_.try_malloc(20 * kGiB, 0, nullptr);
   ASSERT_NE(a, nullptr) << LastError();

@@ -212,6 +212,7 @@ class PluginState {
     }
     absl::Status s =
         dc->device_allocator().Deallocate(p, FreeCheck{.owner = kAnyOwner,
+                                                       .check_size = true,
                                                        .requested_bytes = size,
                                                        .owned_only = true});
     if (ABSL_PREDICT_FALSE(!s.ok())) {
@@ -403,9 +404,10 @@ class PluginState {
       absl::StatusOr<BlockInfo> b = dc->device_allocator().Lookup(p);
       if (!b.ok() || b->owner == kNoOwner) continue;
       if (dc->device() != device) {
-        // The allocator of `device` did not count it: it never saw it.
+        // A device mismatch: counted as invalid by the allocator of
+        // `device` when it is open (it was asked), here when it is not.
         absl::MutexLock lock(&mu_);
-        ++invalid_frees_;
+        if (OpenDevice(device) == nullptr) ++invalid_frees_;
         ++mismatched_frees_;
       }
       // (A size mismatch on the right device is counted by its allocator.)

@@ -194,6 +194,7 @@ struct alignas(64) OwnerRec {  // written on every owned call: a line of its own
   std::size_t requested = 0;
   std::int64_t allocs = 0;
   std::int64_t frees = 0;
+  std::int64_t reclaimed = 0;  // freed by CloseOwner or a forced Reset
   std::int64_t ooms = 0;
   std::int64_t rejections = 0;
   std::int64_t invalid_frees = 0;
@@ -422,15 +423,20 @@ class CachingDeviceAllocator::Impl {
     if (owner == kNoOwner) {  // next_owner_ is kNoOwner between calls
       return TryAllocate(stream, rounded, bytes, small, report);
     }
+    // Cleared however TryAllocate leaves (a std::bad_alloc of a host
+    // container included), so no later block inherits the tag.
+    struct TagScope {
+      Impl* impl;
+      ~TagScope() ABSL_NO_THREAD_SAFETY_ANALYSIS {  // mu_ is held
+        impl->next_owner_ = kNoOwner;
+        impl->next_owner_rec_ = nullptr;
+        impl->next_label_ = nullptr;
+      }
+    } scope{this};
     next_owner_ = owner;
     next_owner_rec_ = owners_[owner - 1].get();  // CheckCharge found it
     next_label_ = label;
-    std::optional<absl::StatusOr<DevicePtr>> p =
-        TryAllocate(stream, rounded, bytes, small, report);
-    next_owner_ = kNoOwner;
-    next_owner_rec_ = nullptr;
-    next_label_ = nullptr;
-    return p;
+    return TryAllocate(stream, rounded, bytes, small, report);
   }
 
   // One attempt: the cached hot path, else the slow path (new memory, the
@@ -469,10 +475,17 @@ class CachingDeviceAllocator::Impl {
           "(foreign pointer or double free)",
           ptr.address()));
     }
-    Block* b = it->second;
     if constexpr (kChecked) {
-      CTXPOOL_RETURN_IF_ERROR(CheckFree(*b, ptr, check));
+      CTXPOOL_RETURN_IF_ERROR(CheckFree(*it->second, ptr, check));
     }
+    return FreeLive(it);
+  }
+
+  // Frees the live block at `it` (Deallocate after its checks).
+  ABSL_ATTRIBUTE_ALWAYS_INLINE absl::Status FreeLive(
+      absl::flat_hash_map<std::uint64_t, Block*>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Block* b = it->second;
     if (ABSL_PREDICT_FALSE(!b->stream_uses.empty())) {
       return DeallocateWithUses(b);
     }
@@ -551,15 +564,31 @@ class CachingDeviceAllocator::Impl {
     return ListOwned(owner);
   }
 
-  absl::StatusOr<std::vector<OwnedBlock>> CloseOwner(OwnerId owner)
+  absl::Status CloseOwner(OwnerId owner, std::vector<OwnedBlock>* freed)
       ABSL_LOCKS_EXCLUDED(mu_) {
+    freed->clear();
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::CloseOwner"));
     core_internal::SpinLockHolder lock(&mu_);
     OwnerRec* o = FindOwner(owner);
     if (o == nullptr) return UnknownOwner("CloseOwner", owner);
     o->closed = true;
-    return ListOwned(owner);
+    std::vector<OwnedBlock> live = ListOwned(owner);
+    freed->reserve(live.size());
+    absl::Status first_error;
+    for (const OwnedBlock& ob : live) {
+      auto it = live_.find(ob.ptr.address());
+      if (it == live_.end()) continue;  // cannot happen: listed under the lock
+      absl::Status s = FreeLive(it);
+      if (s.ok()) {
+        --o->frees;  // a reclaim, not the owner's free
+        ++o->reclaimed;
+        freed->push_back(ob);
+      } else if (first_error.ok()) {
+        first_error = s;
+      }
+    }
+    return first_error;
   }
 
   absl::StatusOr<OwnerStats> UnregisterOwner(OwnerId owner)
@@ -567,11 +596,12 @@ class CachingDeviceAllocator::Impl {
     core_internal::SpinLockHolder lock(&mu_);
     OwnerRec* o = FindOwner(owner);
     if (o == nullptr) return UnknownOwner("UnregisterOwner", owner);
-    if (o->allocs != o->frees) {
+    if (o->allocs != o->frees + o->reclaimed) {
       for (auto& [address, b] : live_) {
         if (b->owner == owner) {
           b->owner = kNoOwner;
           b->owner_data = nullptr;
+          b->label = nullptr;  // it may point into the owner's memory
         }
       }
     }
@@ -1255,11 +1285,13 @@ class CachingDeviceAllocator::Impl {
     return absl::OkStatus();
   }
 
+  // An owned call counts in its owner (none once it is unregistered: its
+  // caller reports the closed session), a plain one in the allocator.
   void CountInvalidFree(OwnerId owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (OwnerRec* o = FindOwner(owner)) {
-      ++o->invalid_frees;
-    } else {
+    if (owner == kAnyOwner || owner == kNoOwner) {
       ++invalid_frees_;
+    } else if (OwnerRec* o = FindOwner(owner)) {
+      ++o->invalid_frees;
     }
   }
 
@@ -1271,8 +1303,7 @@ class CachingDeviceAllocator::Impl {
     if (ABSL_PREDICT_TRUE(
             (check.owner == kAnyOwner || b.owner == check.owner) &&
             (!check.owned_only || b.owner != kNoOwner) &&
-            (check.requested_bytes == kAnyBytes ||
-             b.requested == check.requested_bytes))) {
+            (!check.check_size || b.requested == check.requested_bytes))) {
       return absl::OkStatus();
     }
     return FreeRefused(b, ptr, check);
@@ -1296,8 +1327,7 @@ class CachingDeviceAllocator::Impl {
           theirs != nullptr ? absl::StrCat("'", theirs->name, "'")
                             : std::string("no owner")));
     }
-    if (check.requested_bytes != kAnyBytes &&
-        b.requested != check.requested_bytes) {
+    if (check.check_size && b.requested != check.requested_bytes) {
       CountInvalidFree(check.owner);
       ++mismatched_frees_;
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -1315,7 +1345,7 @@ class CachingDeviceAllocator::Impl {
     st.live_bytes = o.live;
     st.peak_live_bytes = o.peak;
     st.requested_bytes = o.requested;
-    st.live_allocations = o.allocs - o.frees;
+    st.live_allocations = o.allocs - o.frees - o.reclaimed;
     st.num_allocs = o.allocs;
     st.num_frees = o.frees;
     st.num_ooms = o.ooms;
@@ -1667,29 +1697,43 @@ class CachingDeviceAllocator::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(alloc_internal::CheckMemoryLimit(
         "cuMemAlloc", options_.memory_limit_bytes, Reserved(), bytes));
-    CTXPOOL_ASSIGN_OR_RETURN(BackedRange range, backing_->Allocate(bytes));
-    ++upstream_allocs_;
+    // Host bookkeeping first and the books last, so that host memory
+    // running out (std::bad_alloc) loses no device memory and leaves the
+    // books as they were.
     auto seg = std::make_unique<DeviceSegment>();
-    seg->base = range.base.address();
-    seg->size = range.size;
+    Block* b = blocks_.New();
+    absl::StatusOr<BackedRange> range = backing_->Allocate(bytes);
+    if (!range.ok()) {
+      blocks_.Delete(b);
+      return range.status();
+    }
+    ++upstream_allocs_;
+    seg->base = range->base.address();
+    seg->size = range->size;
     seg->stream = ss->stream;
     seg->small = small;
-    seg->backing_handle = range.handle;
+    seg->backing_handle = range->handle;
     seg->owner = ss;
-    Block* b = blocks_.New();
     b->address = seg->base;
     b->size = seg->size;
     b->segment = seg.get();
     b->state = BlockState::kFree;
     seg->first = b;
+    Segment* const raw = seg.get();
+    try {
+      segments_.emplace(raw->base, std::move(seg));
+    } catch (...) {
+      if (backing_->Free(*range).ok()) ++upstream_frees_;
+      blocks_.Delete(b);
+      throw;
+    }
     Bump(ss, &PoolStats::segment, small, 1);
     Bump(ss, &PoolStats::reserved_bytes, small,
-         static_cast<std::int64_t>(seg->size));
+         static_cast<std::int64_t>(raw->size));
     if (recorder_.enabled()) {
-      recorder_.Record(TraceOp::kSegmentMap, seg->base, seg->size, ss->stream,
+      recorder_.Record(TraceOp::kSegmentMap, raw->base, raw->size, ss->stream,
                        ss->tenant);
     }
-    segments_.emplace(seg->base, std::move(seg));
     Index(b);
     NotePeak(ss->tenant);
     return b;
@@ -1763,9 +1807,15 @@ class CachingDeviceAllocator::Impl {
     for (Block* b = seg->first; b != nullptr;) {
       Block* next = b->next;
       switch (b->state) {
-        case BlockState::kAllocated:
+        case BlockState::kAllocated: {
           live_.erase(b->address);
+          auto* o = static_cast<OwnerRec*>(b->owner_data);
           RemoveAllocatedStats(b);
+          if (o != nullptr) {  // dropped by a forced Reset: a reclaim
+            --o->frees;
+            ++o->reclaimed;
+          }
+        }
           [[fallthrough]];
         case BlockState::kPendingFree:
           Bump(ss, &PoolStats::active, small, -1);
@@ -3066,13 +3116,14 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
     for (std::size_t i = 0; i < owners_.size(); ++i) {
       const OwnerRec* o = owners_[i].get();
       if (o == nullptr) continue;
-      if (o->live != sums[i].first || o->allocs - o->frees != sums[i].second ||
+      if (o->live != sums[i].first ||
+          o->allocs - o->frees - o->reclaimed != sums[i].second ||
           o->peak < o->live || (o->max != 0 && o->live > o->max)) {
         return absl::InternalError(absl::StrFormat(
             "I13: owner '%s' books %d B in %d blocks, its blocks hold %d B in "
             "%d (peak %d, max %d)",
-            o->name, o->live, o->allocs - o->frees, sums[i].first,
-            sums[i].second, o->peak, o->max));
+            o->name, o->live, o->allocs - o->frees - o->reclaimed,
+            sums[i].first, sums[i].second, o->peak, o->max));
       }
     }
   }
@@ -3164,9 +3215,9 @@ absl::StatusOr<std::vector<OwnedBlock>> CachingDeviceAllocator::OwnedBlocks(
     OwnerId owner) const {
   return impl_->OwnedBlocks(owner);
 }
-absl::StatusOr<std::vector<OwnedBlock>> CachingDeviceAllocator::CloseOwner(
-    OwnerId owner) {
-  return impl_->CloseOwner(owner);
+absl::Status CachingDeviceAllocator::CloseOwner(
+    OwnerId owner, std::vector<OwnedBlock>* freed) {
+  return impl_->CloseOwner(owner, freed);
 }
 absl::StatusOr<OwnerStats> CachingDeviceAllocator::UnregisterOwner(
     OwnerId owner) {

@@ -203,11 +203,12 @@ absl::Status ModelSession::CloseImpl(bool from_destructor) {
         absl::StrCat("ModelSession::Close: the session of model '", name_,
                      "' is closed already"));
   }
-  // From here the allocator refuses the model's allocations; what is still
-  // live is the leak list.
+  // One critical section of the allocator refuses the model's allocations
+  // from now on and frees what is still live: that is the leak list (a free
+  // racing with Close came first or found nothing). The frees are stream
+  // ordered; the synchronise below is for the streams' next owner.
   std::vector<OwnedBlock> leaks;
-  absl::StatusOr<std::vector<OwnedBlock>> owned = allocator_.CloseOwner(owner_);
-  if (owned.ok()) leaks = *std::move(owned);
+  const absl::Status reclaim = allocator_.CloseOwner(owner_, &leaks);
   closed_.store(true, std::memory_order_release);
   std::vector<EventHandle> events;
   {
@@ -227,16 +228,12 @@ absl::Status ModelSession::CloseImpl(bool from_destructor) {
     }
   }
   std::size_t leaked_bytes = 0;
-  absl::Status reclaim = owned.status();
-  for (const OwnedBlock& a : leaks) {
-    leaked_bytes += a.charged_bytes;
-    absl::Status s = allocator_.Deallocate(a.ptr, FreeCheck{.owner = owner_});
-    // A block the caller freed concurrently with Close is gone already.
-    if (reclaim.ok() && !s.ok() && !absl::IsInvalidArgument(s)) reclaim = s;
-  }
-  absl::StatusOr<OwnerStats> final_stats = allocator_.UnregisterOwner(owner_);
+  for (const OwnedBlock& a : leaks) leaked_bytes += a.charged_bytes;
   {
+    // Under mu_, so that Stats() sees the owner registered or final_ set,
+    // never neither.
     absl::MutexLock lock(&mu_);
+    absl::StatusOr<OwnerStats> final_stats = allocator_.UnregisterOwner(owner_);
     if (final_stats.ok()) final_ = *std::move(final_stats);
     leaked_allocations_ += static_cast<std::int64_t>(leaks.size());
     leaked_bytes_ += leaked_bytes;
@@ -315,16 +312,18 @@ SessionStats ModelSession::Stats() const {
   s.streams = static_cast<int>(streams_.size());
   std::optional<OwnerStats> owner;
   {
+    // Close sets final_ and unregisters the owner under mu_: one of the two
+    // answers here.
     absl::MutexLock lock(&mu_);
     s.idle_events = static_cast<int>(idle_events_.size());
     s.leaked_allocations = leaked_allocations_;
     s.leaked_bytes = leaked_bytes_;
     owner = final_;
-  }
-  s.closed = closed();
-  if (!owner.has_value() && !fork_guard_.InForkedChild()) {
-    absl::StatusOr<OwnerStats> o = allocator_.GetOwnerStats(owner_);
-    if (o.ok()) owner = *std::move(o);
+    s.closed = closed() || final_.has_value();
+    if (!owner.has_value() && !fork_guard_.InForkedChild()) {
+      absl::StatusOr<OwnerStats> o = allocator_.GetOwnerStats(owner_);
+      if (o.ok()) owner = *std::move(o);
+    }
   }
   if (owner.has_value()) {
     s.peak_bytes = owner->peak_live_bytes;

@@ -318,15 +318,15 @@ using OwnerId = std::uint32_t;
 inline constexpr OwnerId kNoOwner = 0;
 // For Deallocate / RecordStream: whatever owns the block.
 inline constexpr OwnerId kAnyOwner = std::numeric_limits<OwnerId>::max();
-inline constexpr std::size_t kAnyBytes =
-    std::numeric_limits<std::size_t>::max();
 
 // What Deallocate checks before it frees anything.
 struct FreeCheck {
   OwnerId owner = kAnyOwner;  // the block must belong to this owner
-  // ... and have been requested with exactly this many bytes (PyTorch's
-  // free passes the size): a mismatch is refused and counted.
-  std::size_t requested_bytes = kAnyBytes;
+  // With check_size, the block must have been requested with exactly
+  // `requested_bytes` (PyTorch's free passes the size; every value, SIZE_MAX
+  // included, is compared): a mismatch is refused and counted.
+  bool check_size = false;
+  std::size_t requested_bytes = 0;
   // With owner == kAnyOwner: refuse a block that has no owner (memory the
   // caller's layer did not hand out, e.g. taken from the allocator bare).
   bool owned_only = false;
@@ -468,9 +468,14 @@ class CachingDeviceAllocator {
   absl::StatusOr<OwnerStats> GetOwnerStats(OwnerId owner) const;
   // The owner's live blocks, by address.
   absl::StatusOr<std::vector<OwnedBlock>> OwnedBlocks(OwnerId owner) const;
-  // Refuses the owner's further allocations (FAILED_PRECONDITION); its
-  // blocks may still be freed. Returns its live blocks, by address.
-  absl::StatusOr<std::vector<OwnedBlock>> CloseOwner(OwnerId owner);
+  // Refuses the owner's further allocations (FAILED_PRECONDITION) and, in
+  // the same critical section, frees every block it still has (stream-
+  // ordered, as Deallocate): a free racing with it either came first or
+  // finds nothing. Puts the blocks it freed in `*freed`, by address (a leak
+  // report); a block whose free failed (a driver error ordering a
+  // RecordStream use) stays live, is left out and its error returned.
+  // NOT_FOUND for an unknown owner.
+  absl::Status CloseOwner(OwnerId owner, std::vector<OwnedBlock>* freed);
   // Forgets the owner and returns its final stats; blocks still live stay
   // allocated and are owned by nobody from then on.
   absl::StatusOr<OwnerStats> UnregisterOwner(OwnerId owner);

@@ -49,7 +49,10 @@
 // calls (CachingDeviceAllocator::RegisterOwner), which keep the model's
 // label, time and charge in the block and check `max_bytes` under the
 // allocator's own lock — one critical section per call, no heap allocation,
-// no side table (docs/architecture.md, "Front end, pool, backing").
+// no side table (docs/architecture.md, "Front end, pool, backing"). The
+// session's own mutex guards its event pool and, with Close, the hand-over
+// of its figures from the allocator's owner to the session; it is taken
+// before the allocator's lock, never while holding it.
 #ifndef CTXPOOL_CONTEXT_MODEL_SESSION_H_
 #define CTXPOOL_CONTEXT_MODEL_SESSION_H_
 
