@@ -68,6 +68,21 @@ constexpr std::array<OptionSpec, kOptionCount> kOptions = {{
     {OptionId::kVerbose, "verbose", "CTXPOOL_VERBOSE", OptionKind::kBool,
      "false",
      "Print the driver choice and context reports to stderr at startup."},
+    {OptionId::kHostBudget, "host_budget", "CTXPOOL_HOST_BUDGET",
+     OptionKind::kString, "auto",
+     "Pinned host bytes each device's host allocator may hold: a size, "
+     "'unlimited', or 'auto' (half of the process's cgroup v2 memory.high, "
+     "else half of its memory.max; unlimited when neither is known)."},
+    {OptionId::kCtxSched, "ctx_sched", "CTXPOOL_CTX_SCHED", OptionKind::kString,
+     "",
+     "Scheduling flag for the primary context, set before the first retain "
+     "and read back: 'auto', 'spin', 'yield' or 'blocking_sync'; empty: "
+     "leave the flags as they are. A driver that does not apply it is "
+     "reported (context report, a warning, a counter)."},
+    {OptionId::kSysfsRoot, "sysfs_root", "CTXPOOL_SYSFS_ROOT",
+     OptionKind::kString, "",
+     "A directory standing for / when reading /proc/self/cgroup and "
+     "/sys/fs/cgroup (tests use a fake tree)."},
 }};
 
 struct OptionValues {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "ctxpool/options.h"
+#include "fake_cgroup.h"
 #include "gtest/gtest.h"
 
 namespace ctxpool {
@@ -56,6 +57,135 @@ TEST(DeviceContext, OptionTableSetsTheMemoryLimit) {
   }
   EXPECT_FALSE(SetOption(OptionId::kMemoryLimit, "lots").ok());
   ReloadOptions();
+}
+
+// The pinned-host budget follows the container's cgroup: half of a fake
+// memory.high of 256 MiB; growth past it trims the cache first, then fails
+// naming the cgroup.
+TEST(DeviceContext, HostBudgetFollowsTheCgroupAndNamesIt) {
+  testing_internal::FakeCgroupRoot root;
+  root.Write("proc/self/cgroup", "0::/kubepods/pod7/worker\n");
+  root.Cgroup("/kubepods/pod7", "max", std::to_string(256 << 20));
+  root.Cgroup("/kubepods/pod7/worker", "max", "max", "1048576");
+  ASSERT_TRUE(SetOption(OptionId::kSysfsRoot, root.path()).ok());
+  std::unique_ptr<SimDriver> sim = MakeSim();
+  DeviceContextOptions o = Plain();
+  o.use_option_table = true;
+  {
+    auto dc = DeviceContext::Create(*sim, 0, o);
+    ASSERT_TRUE(dc.ok()) << dc.status();
+    CachingHostAllocator& host = (*dc)->host_allocator();
+    EXPECT_EQ(host.Stats().host_budget_bytes, std::size_t{128} << 20);
+    ASSERT_TRUE((*dc)->MakeCurrent().ok());
+    const StreamHandle s = *sim->StreamCreate(kStreamNonBlocking, 0);
+    absl::StatusOr<void*> a = host.Allocate(std::size_t{100} << 20, s);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(host.Deallocate(*a).ok());
+    EXPECT_EQ(host.Stats().cached_bytes, host.Stats().pinned_bytes);
+    // Another class: only fits once the cached 100 MiB is given back.
+    absl::StatusOr<void*> b = host.Allocate(std::size_t{70} << 20, s);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(host.Stats().cached_bytes, 0u);
+    EXPECT_LE(host.Stats().pinned_bytes, std::size_t{128} << 20);
+    absl::StatusOr<void*> c = host.Allocate(std::size_t{64} << 20, s);
+    ASSERT_EQ(c.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_NE(c.status().message().find("cgroup /kubepods/pod7 memory.high"),
+              std::string::npos)
+        << c.status();
+    EXPECT_EQ(host.Stats().num_budget_failures, 1);
+    ASSERT_TRUE(host.Deallocate(*b).ok());
+    ASSERT_TRUE(sim->StreamDestroy(s).ok());
+  }
+  // The half is shared by the driver's devices.
+  absl::StatusOr<DerivedHostBudget> two = DeriveHostBudget(2);
+  ASSERT_TRUE(two.ok()) << two.status();
+  EXPECT_EQ(two->bytes, std::size_t{64} << 20);
+  EXPECT_NE(two->source.find("shared by 2 devices"), std::string::npos)
+      << two->source;
+  // An explicit budget wins; 'unlimited' turns the cgroup's off.
+  ASSERT_TRUE(SetOption(OptionId::kHostBudget, "1GiB").ok());
+  {
+    auto dc = DeviceContext::Create(*sim, 0, o);
+    ASSERT_TRUE(dc.ok()) << dc.status();
+    EXPECT_EQ((*dc)->host_allocator().Stats().host_budget_bytes,
+              std::size_t{1} << 30);
+  }
+  ASSERT_TRUE(SetOption(OptionId::kHostBudget, "unlimited").ok());
+  {
+    auto dc = DeviceContext::Create(*sim, 0, o);
+    ASSERT_TRUE(dc.ok()) << dc.status();
+    EXPECT_EQ((*dc)->host_allocator().Stats().host_budget_bytes, 0u);
+  }
+  ASSERT_TRUE(SetOption(OptionId::kHostBudget, "lots").ok());
+  EXPECT_EQ(DeviceContext::Create(*sim, 0, o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // No cgroup limit known (a v1 host): unlimited, and nothing fails.
+  root.Write("proc/self/cgroup", "4:memory:/x\n");
+  ASSERT_TRUE(SetOption(OptionId::kHostBudget, "auto").ok());
+  {
+    auto dc = DeviceContext::Create(*sim, 0, o);
+    ASSERT_TRUE(dc.ok()) << dc.status();
+    EXPECT_EQ((*dc)->host_allocator().Stats().host_budget_bytes, 0u);
+  }
+  ReloadOptions();
+}
+
+// CTXPOOL_CTX_SCHED is set before the first retain and read back; a driver
+// that accepts the flag but ignores it (as one did under a constrained
+// cgroup) is caught: the report says so and a counter counts it.
+TEST(DeviceContext, SchedulingFlagIsVerifiedAfterTheRetain) {
+  DeviceContextOptions o = Plain();
+  o.sched_flags = kCtxSchedBlockingSync;
+  {
+    std::unique_ptr<SimDriver> sim = MakeSim();
+    auto dc = DeviceContext::Create(*sim, 0, o);
+    ASSERT_TRUE(dc.ok()) << dc.status();
+    const ContextReport& r = (*dc)->initial_context_report();
+    EXPECT_TRUE(r.sched_flags_requested);
+    EXPECT_EQ(r.effective_sched_flags, kCtxSchedBlockingSync);
+    EXPECT_FALSE(r.sched_flags_mismatch);
+    EXPECT_EQ((*dc)->Stats().sched_flag_mismatches, 0);
+    EXPECT_NE(r.ToString().find("scheduling: blocking_sync"), std::string::npos)
+        << r.ToString();
+    EXPECT_GT(r.created_at_ns, 0);
+  }
+  {
+    std::unique_ptr<SimDriver> sim = MakeSim();
+    sim->SetIgnorePrimaryCtxFlags(true);
+    auto dc = DeviceContext::Create(*sim, 0, o);
+    ASSERT_TRUE(dc.ok()) << dc.status();
+    const ContextReport& r = (*dc)->initial_context_report();
+    EXPECT_TRUE(r.sched_flags_mismatch);
+    EXPECT_EQ(r.effective_sched_flags, kCtxSchedAuto);
+    EXPECT_EQ((*dc)->Stats().sched_flag_mismatches, 1);
+    EXPECT_NE(r.ToString().find("WARNING"), std::string::npos);
+  }
+  // Through the option table; a bad spelling is refused.
+  {
+    std::unique_ptr<SimDriver> sim = MakeSim();
+    DeviceContextOptions t = Plain();
+    t.use_option_table = true;
+    ASSERT_TRUE(SetOption(OptionId::kCtxSched, "yield").ok());
+    auto dc = DeviceContext::Create(*sim, 0, t);
+    ASSERT_TRUE(dc.ok()) << dc.status();
+    EXPECT_EQ((*dc)->initial_context_report().effective_sched_flags,
+              kCtxSchedYield);
+    ASSERT_TRUE(SetOption(OptionId::kCtxSched, "fast").ok());
+    std::unique_ptr<SimDriver> sim2 = MakeSim();
+    EXPECT_EQ(DeviceContext::Create(*sim2, 0, t).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    ReloadOptions();
+  }
+  // Unset: the flags are left alone (whatever cudaSetDeviceFlags chose).
+  {
+    std::unique_ptr<SimDriver> sim = MakeSim();
+    ASSERT_TRUE(sim->PrimaryCtxSetFlags(0, kCtxSchedSpin).ok());
+    auto dc = DeviceContext::Create(*sim, 0, Plain());
+    ASSERT_TRUE(dc.ok()) << dc.status();
+    const ContextReport& r = (*dc)->initial_context_report();
+    EXPECT_FALSE(r.sched_flags_requested);
+    EXPECT_EQ(r.effective_sched_flags, kCtxSchedSpin);
+  }
 }
 
 TEST(DeviceContext, EightSessionsShareOnePrimaryContext) {

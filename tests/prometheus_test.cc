@@ -1,5 +1,7 @@
 #include "ctxpool/telemetry/prometheus.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <map>
 #include <memory>
@@ -12,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/driver/sim_driver.h"
+#include "fake_cgroup.h"
 #include "gtest/gtest.h"
 
 namespace ctxpool {
@@ -225,6 +228,47 @@ TEST(PrometheusRuntime, RendersEveryDeviceAndTheDriver) {
   EXPECT_EQ(e.samples.at("ctxpool_model_live_bytes{device=1,model=m}"),
             1 << 20);
   ASSERT_TRUE(s->Deallocate(*p).ok());
+}
+
+TEST_F(PrometheusTest, HostAndContextSeriesParse) {
+  const Exposition e = Parse(RenderPrometheus(*dc_));
+  EXPECT_EQ(e.samples.at("ctxpool_device_pinned_bytes{device=0}"), 0);
+  EXPECT_TRUE(
+      std::isinf(e.samples.at("ctxpool_device_pinned_budget_bytes{device=0}")));
+  EXPECT_GT(e.samples.at(
+                "ctxpool_device_context_created_timestamp_seconds{device=0}"),
+            1.6e9);
+  EXPECT_EQ(
+      e.samples.at("ctxpool_device_context_sched_flags{device=0,kind=effective,"
+                   "flags=auto}"),
+      1);
+  EXPECT_EQ(e.samples.at("ctxpool_device_context_sched_mismatch{device=0}"), 0);
+}
+
+TEST(PrometheusProcess, CgroupGaugesFromAFakeTree) {
+  testing_internal::FakeCgroupRoot root;
+  root.Write("proc/self/cgroup", "0::/pod/ctr\n");
+  root.Cgroup("/pod", "1073741824", "max");
+  root.Cgroup("/pod/ctr", "max", "536870912", "1048576");
+  root.Write("sys/fs/cgroup/pod/ctr/memory.stat",
+             "active_file 4096\ninactive_file 4096\n");
+  const Exposition e =
+      Parse(RenderProcessMetrics(ReadCgroupMemory(root.path())));
+  EXPECT_EQ(e.samples.at(absl::StrCat("ctxpool_process_info{pid=", getpid(),
+                                      ",cgroup=/pod/ctr}")),
+            1);
+  EXPECT_EQ(e.samples.at("ctxpool_cgroup_memory_max_bytes{}"), 1073741824.0);
+  EXPECT_EQ(e.samples.at("ctxpool_cgroup_memory_high_bytes{}"), 536870912.0);
+  EXPECT_EQ(e.samples.at("ctxpool_cgroup_memory_current_bytes{}"), 1048576.0);
+  EXPECT_EQ(e.samples.at("ctxpool_cgroup_memory_reclaimable_bytes{}"), 8192.0);
+  // A v1 host: the info line with an empty cgroup, no limit gauges.
+  root.Write("proc/self/cgroup", "4:memory:/x\n");
+  const Exposition v1 =
+      Parse(RenderProcessMetrics(ReadCgroupMemory(root.path())));
+  EXPECT_EQ(v1.samples.count("ctxpool_cgroup_memory_max_bytes{}"), 0u);
+  EXPECT_EQ(v1.samples.at(absl::StrCat("ctxpool_process_info{pid=", getpid(),
+                                       ",cgroup=}")),
+            1);
 }
 
 TEST(PrometheusEscape, EscapesBackslashQuoteAndNewline) {

@@ -5,6 +5,7 @@
 // usable, the simulated device ctxpool falls back to ($CTXPOOL_DRIVER, default
 // "sim:h100-80gb") and the simulated presets. Exits 0 whenever it could report,
 // 1 when the simulated fallback spec is invalid, 2 on a usage error.
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -20,10 +21,13 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "ctxpool/context/device_context.h"
+#include "ctxpool/core/cgroup.h"
 #include "ctxpool/core/json_string.h"
 #include "ctxpool/driver/cuda_driver.h"
 #include "ctxpool/driver/driver.h"
 #include "ctxpool/driver/sim_driver.h"
+#include "ctxpool/options.h"
 #include "tools/commands.h"
 
 #ifndef CTXPOOL_VERSION
@@ -61,6 +65,9 @@ struct Info {
   absl::Status fallback_status;  // SimDriver::CreateFromSpec()
   std::optional<BackendInfo> sim;
   std::vector<std::string> presets;
+  CgroupMemory cgroup;
+  absl::StatusOr<DerivedHostBudget> host_budget;
+  int devices = 1;  // of the driver ctxpool would use
 };
 
 BackendInfo Describe(Driver& driver) {
@@ -129,6 +136,14 @@ Info Gather() {
     if (sim.ok()) info.sim = Describe(**sim);
   }
   info.presets = SimDevicePresetNames();
+  const BackendInfo* used = gpu_usable             ? &*info.cuda
+                            : info.sim.has_value() ? &*info.sim
+                                                   : nullptr;
+  if (used != nullptr && !used->devices.empty()) {
+    info.devices = static_cast<int>(used->devices.size());
+  }
+  info.cgroup = ReadCgroupMemory(GetOption(OptionId::kSysfsRoot));
+  info.host_budget = DeriveHostBudget(info.devices);
   return info;
 }
 
@@ -179,6 +194,20 @@ void PrintText(const Info& info) {
   }
   std::printf("simulated presets: %s\n",
               absl::StrJoin(info.presets, ", ").c_str());
+  std::printf("%s\n", info.cgroup.ToString().c_str());
+  if (info.host_budget.ok()) {
+    if (info.host_budget->bytes == 0) {
+      std::printf("pinned host budget: unlimited (%s)\n",
+                  info.host_budget->source.c_str());
+    } else {
+      std::printf("pinned host budget: %zu MiB per device (%s)\n",
+                  info.host_budget->bytes >> 20,
+                  info.host_budget->source.c_str());
+    }
+  } else {
+    std::printf("pinned host budget: %s\n",
+                std::string(info.host_budget.status().message()).c_str());
+  }
 }
 
 std::string BackendJson(const BackendInfo& backend) {
@@ -227,7 +256,29 @@ void PrintJson(const Info& info) {
   std::vector<std::string> presets;
   for (const std::string& p : info.presets) presets.push_back(JsonString(p));
   absl::StrAppend(&out, ",\n  \"presets\": [", absl::StrJoin(presets, ", "),
-                  "]\n}\n");
+                  "]");
+  const CgroupMemory& cg = info.cgroup;
+  auto opt = [](const std::optional<std::uint64_t>& v) {
+    if (!v.has_value()) return std::string("null");
+    return *v == kCgroupNoLimit ? std::string("\"max\"") : absl::StrCat(*v);
+  };
+  absl::StrAppend(&out, ",\n  \"cgroup\": {\"version\": ", cg.version,
+                  ", \"path\": ", JsonString(cg.path),
+                  ", \"memory_max\": ", opt(cg.effective_max),
+                  ", \"memory_high\": ", opt(cg.effective_high),
+                  ", \"memory_current\": ", opt(cg.current),
+                  ", \"reclaimable\": ", opt(cg.reclaimable),
+                  ", \"note\": ", JsonString(cg.note), "}");
+  if (info.host_budget.ok()) {
+    absl::StrAppend(&out, ",\n  \"host_budget\": {\"bytes_per_device\": ",
+                    info.host_budget->bytes,
+                    ", \"source\": ", JsonString(info.host_budget->source),
+                    "}");
+  } else {
+    absl::StrAppend(&out, ",\n  \"host_budget\": {\"error\": ",
+                    JsonString(info.host_budget.status().message()), "}");
+  }
+  absl::StrAppend(&out, "\n}\n");
   std::fputs(out.c_str(), stdout);
 }
 

@@ -50,6 +50,9 @@ enum class OptionId : int {
   kSimCosts,           // CTXPOOL_SIM_COSTS
   kStreamPoolReserve,  // CTXPOOL_STREAM_POOL_RESERVE
   kVerbose,            // CTXPOOL_VERBOSE
+  kHostBudget,         // CTXPOOL_HOST_BUDGET
+  kCtxSched,           // CTXPOOL_CTX_SCHED
+  kSysfsRoot,          // CTXPOOL_SYSFS_ROOT
   kCount,              // not an option
 };
 inline constexpr int kOptionCount = static_cast<int>(OptionId::kCount);

@@ -595,14 +595,18 @@ class CachingHostAllocator::Impl {
   absl::Status BudgetError(absl::string_view call, std::size_t bytes,
                            std::size_t size) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
+    std::string msg = absl::StrFormat(
         "CachingHostAllocator::%s(%d bytes, %d after rounding): host budget "
         "of %d pinned bytes exhausted: %d in use (live %d, pending %d, cached "
         "%d, being pinned %d, registered %d); registered memory counts against "
         "the budget",
         call, bytes, size, options_.host_budget_bytes, Usage(), live_bytes_,
         pending_bytes_, cached_bytes_, in_flight_bytes_,
-        registered_bytes_ + registering_bytes_));
+        registered_bytes_ + registering_bytes_);
+    if (!options_.host_budget_source.empty()) {
+      absl::StrAppend(&msg, "; the budget is ", options_.host_budget_source);
+    }
+    return absl::ResourceExhaustedError(msg);
   }
 
   // "registration [a, b)" or "pinned buffer [a, b)", or "" when free.

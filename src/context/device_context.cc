@@ -2,11 +2,16 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
+#include <string>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "ctxpool/core/cgroup.h"
 #include "ctxpool/options.h"
 #include "ctxpool/status.h"
 
@@ -50,7 +55,83 @@ absl::Status ApplyOptionTable(Driver& driver, int device,
   return absl::OkStatus();
 }
 
+// CTXPOOL_CTX_SCHED: nullopt when empty (leave the flags alone).
+absl::StatusOr<std::optional<unsigned>> SchedFromOptionTable() {
+  const std::string v = absl::AsciiStrToLower(
+      absl::StripAsciiWhitespace(GetOption(OptionId::kCtxSched)));
+  if (v.empty()) return std::optional<unsigned>();
+  for (unsigned f :
+       {kCtxSchedAuto, kCtxSchedSpin, kCtxSchedYield, kCtxSchedBlockingSync}) {
+    if (v == SchedFlagsName(f)) return std::optional<unsigned>(f);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("CTXPOOL_CTX_SCHED: '", v,
+                   "' is not one of auto, spin, yield, blocking_sync"));
+}
+
+// The user's budget stays; else DeriveHostBudget's.
+absl::Status ApplyHostBudget(HostAllocatorOptions& host, int devices) {
+  if (host.host_budget_bytes != 0) return absl::OkStatus();
+  CTXPOOL_ASSIGN_OR_RETURN(DerivedHostBudget b, DeriveHostBudget(devices));
+  host.host_budget_bytes = b.bytes;
+  host.host_budget_source = b.bytes == 0 ? "" : b.source;
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::StatusOr<DerivedHostBudget> DeriveHostBudget(int devices) {
+  DerivedHostBudget out;
+  const std::string v = absl::AsciiStrToLower(
+      absl::StripAsciiWhitespace(GetOption(OptionId::kHostBudget)));
+  if (v == "unlimited" || v == "0") {
+    out.source = "CTXPOOL_HOST_BUDGET=unlimited";
+    return out;
+  }
+  if (v != "auto") {
+    absl::StatusOr<std::size_t> bytes = ParseBytes(v);
+    if (!bytes.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("CTXPOOL_HOST_BUDGET: '", v,
+                       "' is not a size, 'auto' or 'unlimited'"));
+    }
+    out.bytes = *bytes;
+    out.source = "CTXPOOL_HOST_BUDGET";
+    return out;
+  }
+  const CgroupMemory cg = ReadCgroupMemory(GetOption(OptionId::kSysfsRoot));
+  for (auto [limit, from, file] :
+       {std::tuple{cg.effective_high, cg.high_from, "memory.high"},
+        std::tuple{cg.effective_max, cg.max_from, "memory.max"}}) {
+    if (!limit.has_value() || *limit == kCgroupNoLimit) continue;
+    const std::uint64_t n = static_cast<std::uint64_t>(std::max(devices, 1));
+    out.bytes = static_cast<std::size_t>(*limit / 2 / n);
+    out.source = absl::StrCat(
+        "half of cgroup ", from, " ", file, " (", *limit, " bytes)",
+        n > 1 ? absl::StrCat(" shared by ", n, " devices") : "",
+        "; CTXPOOL_HOST_BUDGET overrides");
+    return out;
+  }
+  out.source = cg.version == 2
+                   ? absl::StrCat("no memory limit on cgroup ", cg.path)
+                   : absl::StrCat("cgroup limits unknown: ", cg.note);
+  return out;
+}
+
+std::string SchedFlagsName(unsigned flags) {
+  switch (flags & kCtxSchedMask) {
+    case kCtxSchedAuto:
+      return "auto";
+    case kCtxSchedSpin:
+      return "spin";
+    case kCtxSchedYield:
+      return "yield";
+    case kCtxSchedBlockingSync:
+      return "blocking_sync";
+    default:
+      return absl::StrCat(flags & kCtxSchedMask);
+  }
+}
 
 std::string ContextReport::ToString() const {
   std::string out = absl::StrFormat("device %d: %s (%s), %s total\n", device,
@@ -71,6 +152,18 @@ std::string ContextReport::ToString() const {
       "priorities %d (low) .. %d (high)\n",
       limits.stack_size, Mib(limits.malloc_heap_size),
       Mib(limits.printf_fifo_size), priorities.least, priorities.greatest);
+  absl::StrAppend(&out,
+                  "  scheduling: ", SchedFlagsName(effective_sched_flags));
+  if (sched_flags_requested) {
+    absl::StrAppend(&out, " (asked for ", SchedFlagsName(requested_sched_flags),
+                    ")");
+  }
+  if (sched_flags_mismatch) {
+    absl::StrAppend(&out,
+                    "; WARNING: the driver does not run the context with "
+                    "the flags it accepted");
+  }
+  absl::StrAppend(&out, "\n");
   return out;
 }
 
@@ -83,8 +176,14 @@ absl::StatusOr<std::unique_ptr<DeviceContext>> DeviceContext::Create(
         driver.Kind(), " driver has ", count, " device(s))"));
   }
   DeviceAllocatorOptions alloc_options = options.allocator;
+  HostAllocatorOptions host_options = options.host;
+  std::optional<unsigned> sched = options.sched_flags;
   if (options.use_option_table) {
     CTXPOOL_RETURN_IF_ERROR(ApplyOptionTable(driver, device, alloc_options));
+    CTXPOOL_RETURN_IF_ERROR(ApplyHostBudget(host_options, count));
+    if (!sched.has_value()) {
+      CTXPOOL_ASSIGN_OR_RETURN(sched, SchedFromOptionTable());
+    }
   }
   int reserve = options.stream_pool_reserve;
   if (reserve < 0) {
@@ -101,9 +200,48 @@ absl::StatusOr<std::unique_ptr<DeviceContext>> DeviceContext::Create(
   CTXPOOL_ASSIGN_OR_RETURN(PrimaryContextState state,
                            driver.PrimaryCtxGetState(device));
   report.primary_was_active = state.active;
+  if (sched.has_value()) {
+    // Before the first retain, while the flags can still take effect.
+    report.sched_flags_requested = true;
+    report.requested_sched_flags = *sched & kCtxSchedMask;
+    if (!state.active) {
+      absl::Status set =
+          driver.PrimaryCtxSetFlags(device, (state.flags & ~kCtxSchedMask) |
+                                                report.requested_sched_flags);
+      if (!set.ok()) {
+        return absl::Status(
+            set.code(),
+            absl::StrCat("DeviceContext::Create: setting the "
+                         "primary context's scheduling flag '",
+                         SchedFlagsName(*sched), "': ", set.message()));
+      }
+    }
+  }
 
   // The one retain of the process's lifetime of this object.
   CTXPOOL_ASSIGN_OR_RETURN(ContextHandle ctx, driver.PrimaryCtxRetain(device));
+  report.created_at_ns = absl::GetCurrentTimeNanos();
+  // What the driver runs the context with, read back: a driver may accept
+  // flags and ignore them.
+  if (absl::StatusOr<PrimaryContextState> after =
+          driver.PrimaryCtxGetState(device);
+      after.ok()) {
+    report.effective_sched_flags = after->flags & kCtxSchedMask;
+  }
+  report.sched_flags_mismatch =
+      report.sched_flags_requested &&
+      report.effective_sched_flags != report.requested_sched_flags;
+  if (report.sched_flags_mismatch) {
+    std::fprintf(stderr,
+                 "ctxpool: device %d: the primary context runs with "
+                 "scheduling flag '%s', not the '%s' that was set%s\n",
+                 device, SchedFlagsName(report.effective_sched_flags).c_str(),
+                 SchedFlagsName(report.requested_sched_flags).c_str(),
+                 report.primary_was_active
+                     ? " (it was active already: set it before the first "
+                       "CUDA call)"
+                     : " (the driver ignored it)");
+  }
   absl::Status s = [&]() -> absl::Status {
     ScopedContext guard(driver, ctx);
     CTXPOOL_RETURN_IF_ERROR(guard.status());
@@ -139,7 +277,6 @@ absl::StatusOr<std::unique_ptr<DeviceContext>> DeviceContext::Create(
       CachingDeviceAllocator::Create(driver, device, alloc_options);
   if (!allocator.ok()) return allocator.status();  // ~DeviceContext releases
   dc->allocator_ = std::move(allocator).value();
-  HostAllocatorOptions host_options = options.host;
   host_options.device = device;
   host_options.context = ctx;
   CTXPOOL_ASSIGN_OR_RETURN(dc->host_,
@@ -170,6 +307,7 @@ DeviceContext::DeviceContext(Driver& driver, int device, ContextHandle context,
       high_priority_(report_.priorities.greatest),
       low_priority_(report_.priorities.least) {
   stats_.primary_retains = 1;
+  stats_.sched_flag_mismatches = report_.sched_flags_mismatch ? 1 : 0;
 }
 
 DeviceContext::~DeviceContext() {

@@ -335,6 +335,11 @@ void SimDriver::SetRaceDetection(bool enabled) {
   state_->race_detection = enabled;
 }
 
+void SimDriver::SetIgnorePrimaryCtxFlags(bool ignore) {
+  absl::MutexLock lock(&state_->mu);
+  state_->ignore_primary_flags = ignore;
+}
+
 // ---------------------------------------------------------------------------
 // Misuse, faults, costs, counters
 
@@ -576,7 +581,7 @@ absl::Status SimDriver::PrimaryCtxSetFlags(int device, unsigned flags) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
   CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuDevicePrimaryCtxSetFlags", device));
-  s.devices[device].primary_flags = flags;
+  if (!s.ignore_primary_flags) s.devices[device].primary_flags = flags;
   return absl::OkStatus();
 }
 

@@ -81,8 +81,8 @@ using sim_internal::kDeviceAddressBase;
 using sim_internal::kEventBase;
 using sim_internal::kHandleStride;
 using sim_internal::kHostPage;
-using sim_internal::kMaxSimulatedNs;
 using sim_internal::kLogCap;
+using sim_internal::kMaxSimulatedNs;
 using sim_internal::kPhysicalBase;
 using sim_internal::kPriorityGreatest;
 using sim_internal::kPriorityLeast;
@@ -229,6 +229,8 @@ struct SimDriver::State {
   std::uint64_t host_version ABSL_GUARDED_BY(mu) = 1;
   RaceShadow shadow ABSL_GUARDED_BY(mu);
   bool race_detection ABSL_GUARDED_BY(mu) = true;
+  bool ignore_primary_flags ABSL_GUARDED_BY(mu) =
+      false;  // SetIgnorePrimaryCtxFlags
   std::vector<RaceShadow::Conflict> conflicts ABSL_GUARDED_BY(mu);
   std::uint64_t race_count ABSL_GUARDED_BY(mu) = 0;
   std::vector<SimRace> races ABSL_GUARDED_BY(mu);

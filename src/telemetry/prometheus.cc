@@ -1,13 +1,20 @@
 #include "ctxpool/telemetry/prometheus.h"
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
+#include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "ctxpool/alloc/device_allocator.h"
+#include "ctxpool/core/cgroup.h"
+#include "ctxpool/options.h"
 
 namespace ctxpool {
 namespace {
@@ -20,7 +27,9 @@ struct DeviceSample {
   DeviceAllocatorStats alloc;
   FragmentationStats frag;
   DeviceContextStats ctx;
+  HostAllocatorStats host;
   std::size_t context_bytes = 0;
+  ContextReport report;
   std::vector<std::pair<std::string, SessionStats>> sessions;
   std::vector<std::pair<std::string, ModelLeakTotals>> totals;
 };
@@ -31,7 +40,9 @@ DeviceSample Sample(const DeviceContext& dc) {
   s.alloc = dc.device_allocator().Stats();
   s.frag = dc.device_allocator().Fragmentation();
   s.ctx = dc.Stats();
-  s.context_bytes = dc.initial_context_report().context_bytes;
+  s.host = dc.host_allocator().Stats();
+  s.report = dc.initial_context_report();
+  s.context_bytes = s.report.context_bytes;
   dc.ForEachSession([&s](const ModelSession& session) {
     s.sessions.emplace_back(session.name(), session.Stats());
   });
@@ -59,6 +70,19 @@ class Writer {
   void Sample(int device, absl::string_view model, const std::string& value) {
     absl::StrAppend(&out_, name_, "{device=\"", device, "\",model=\"",
                     EscapePrometheusLabelValue(model), "\"} ", value, "\n");
+  }
+  // A sample with extra labels after `device` (names and values as given,
+  // values escaped here).
+  void Sample(
+      int device,
+      std::initializer_list<std::pair<absl::string_view, std::string>> labels,
+      const std::string& value) {
+    absl::StrAppend(&out_, name_, "{device=\"", device, "\"");
+    for (const auto& [k, v] : labels) {
+      absl::StrAppend(&out_, ",", k, "=\"", EscapePrometheusLabelValue(v),
+                      "\"");
+    }
+    absl::StrAppend(&out_, "} ", value, "\n");
   }
   void Raw(absl::string_view text) { absl::StrAppend(&out_, text); }
   std::string Take() { return std::move(out_); }
@@ -193,6 +217,45 @@ std::string Render(const std::vector<DeviceSample>& d) {
   SessionFamily(w, d, "ctxpool_model_budget_rejections_total", "counter",
                 "The model's allocations refused by its max budget.",
                 [](const M& m) { return Number(m.num_budget_rejections); });
+  DeviceFamily(w, d, "ctxpool_device_pinned_bytes", "gauge",
+               "Pinned host bytes the device's host allocator holds (live, "
+               "cached, pending): host RAM the memory cgroup charges.",
+               [](const S& s) { return Number(s.host.pinned_bytes); });
+  DeviceFamily(w, d, "ctxpool_device_pinned_budget_bytes", "gauge",
+               "The host allocator's pinned budget (+Inf: none); by default "
+               "derived from the cgroup's memory.high or memory.max.",
+               [](const S& s) {
+                 return s.host.host_budget_bytes == 0
+                            ? std::string("+Inf")
+                            : Number(s.host.host_budget_bytes);
+               });
+  DeviceFamily(
+      w, d, "ctxpool_device_context_created_timestamp_seconds", "gauge",
+      "When this process's DeviceContext retained the primary "
+      "context (Unix time).",
+      [](const S& s) {
+        return Number(static_cast<double>(s.report.created_at_ns) / 1e9);
+      });
+  w.Family("ctxpool_device_context_sched_flags", "gauge",
+           "The primary context's scheduling flag (value 1): kind=effective "
+           "as the driver reports it, kind=requested as CTXPOOL_CTX_SCHED "
+           "set it.");
+  for (const S& s : d) {
+    w.Sample(s.device,
+             {{"kind", "effective"},
+              {"flags", SchedFlagsName(s.report.effective_sched_flags)}},
+             "1");
+    if (s.report.sched_flags_requested) {
+      w.Sample(s.device,
+               {{"kind", "requested"},
+                {"flags", SchedFlagsName(s.report.requested_sched_flags)}},
+               "1");
+    }
+  }
+  DeviceFamily(w, d, "ctxpool_device_context_sched_mismatch", "gauge",
+               "1 when the driver runs the primary context with other "
+               "scheduling flags than were set.",
+               [](const S& s) { return Number(s.ctx.sched_flag_mismatches); });
   TotalsFamily(w, d, "ctxpool_model_leaked_bytes_total",
                "Bytes the model left live at session close (reclaimed).",
                [](const ModelLeakTotals& t) { return Number(t.leaked_bytes); });
@@ -240,12 +303,43 @@ std::string RenderPrometheus(const DeviceContext& device) {
   return RenderPrometheus(absl::MakeConstSpan(one));
 }
 
+std::string RenderProcessMetrics(const CgroupMemory& cg) {
+  std::string out = absl::StrCat(
+      "# HELP ctxpool_process_info The process and its cgroup (value 1; "
+      "cgroup \"\" when unknown).\n"
+      "# TYPE ctxpool_process_info gauge\n"
+      "ctxpool_process_info{pid=\"",
+      getpid(), "\",cgroup=\"",
+      EscapePrometheusLabelValue(cg.version == 2 ? cg.path : ""), "\"} 1\n");
+  auto gauge = [&out](absl::string_view name, absl::string_view help,
+                      const std::optional<std::uint64_t>& v) {
+    if (!v.has_value()) return;  // unknown: no sample
+    absl::StrAppend(
+        &out, "# HELP ", name, " ", help, "\n# TYPE ", name, " gauge\n", name,
+        " ", *v == kCgroupNoLimit ? std::string("+Inf") : Number(*v), "\n");
+  };
+  gauge("ctxpool_cgroup_memory_max_bytes",
+        "The effective memory.max of the process's cgroup v2 (+Inf: none).",
+        cg.effective_max);
+  gauge("ctxpool_cgroup_memory_high_bytes",
+        "The effective memory.high of the process's cgroup v2 (+Inf: none).",
+        cg.effective_high);
+  gauge("ctxpool_cgroup_memory_current_bytes",
+        "memory.current of the process's cgroup v2.", cg.current);
+  gauge("ctxpool_cgroup_memory_reclaimable_bytes",
+        "Page cache in the cgroup (memory.stat active_file + inactive_file).",
+        cg.reclaimable);
+  return out;
+}
+
 std::string RenderPrometheus(const Runtime& runtime) {
   std::string out = absl::StrCat(
       "# HELP ctxpool_runtime_info The driver ctxpool uses (value 1).\n"
       "# TYPE ctxpool_runtime_info gauge\n"
       "ctxpool_runtime_info{driver=\"",
       EscapePrometheusLabelValue(runtime.driver_kind()), "\"} 1\n");
+  absl::StrAppend(&out, RenderProcessMetrics(
+                            ReadCgroupMemory(GetOption(OptionId::kSysfsRoot))));
   if (runtime.InForkedChild()) return out;
   std::vector<DeviceContext*> devices = runtime.devices();
   std::vector<const DeviceContext*> cdevices(devices.begin(), devices.end());

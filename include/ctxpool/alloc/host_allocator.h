@@ -76,6 +76,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -96,8 +97,12 @@ struct HostAllocatorOptions {
   // comment for the measurement behind the default.
   int classes_per_doubling = 8;
   // Pinned bytes (cached + live + pending + registered) the allocator may
-  // hold; 0 = unlimited.
+  // hold; 0 = unlimited. DeviceContext derives it from the process's cgroup
+  // when the user sets none (CTXPOOL_HOST_BUDGET, ctxpool/core/cgroup.h).
   std::size_t host_budget_bytes = 0;
+  // Where the budget comes from, named in its RESOURCE_EXHAUSTED errors
+  // (e.g. "half of cgroup /kubepods/x memory.high (512 MiB)"); "" for none.
+  std::string host_budget_source;
   // cuMemHostAlloc flags (kHostAllocPortable: usable from every context).
   unsigned host_alloc_flags = kHostAllocPortable;
   // cuMemHostRegister flags for Register.

@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -85,9 +86,38 @@ struct ContextReport {
   bool primary_was_active = false;
   ContextLimits limits;
   StreamPriorityRange priorities;
+  // When this DeviceContext retained the context (absl::GetCurrentTimeNanos).
+  std::int64_t created_at_ns = 0;
+  // Scheduling flags (kCtxSched*): what was asked (DeviceContextOptions::
+  // sched_flags) and what the driver reports after the retain. A driver
+  // that accepted the flags but runs with others (as under some constrained
+  // cgroups) sets sched_flags_mismatch.
+  bool sched_flags_requested = false;
+  unsigned requested_sched_flags = 0;
+  unsigned effective_sched_flags = 0;
+  bool sched_flags_mismatch = false;
   // A few lines for humans.
   std::string ToString() const;
 };
+
+// "auto", "spin", "yield", "blocking_sync" (or the number) for kCtxSched*.
+std::string SchedFlagsName(unsigned flags);
+
+// The pinned-host budget a DeviceContext gives its host allocator when the
+// user set none (HostAllocatorOptions::host_budget_bytes == 0 and
+// use_option_table): CTXPOOL_HOST_BUDGET, a size or 'unlimited'; by default
+// ('auto') half of the process's cgroup v2 memory.high, else half of its
+// memory.max (ctxpool/core/cgroup.h), divided by the driver's `devices` —
+// pinned pages are never reclaimed or swapped, and the rest of the
+// container (the interpreter, weights staged in host memory, page cache)
+// needs the other half. bytes 0: unlimited (no limit known). Where the
+// driver leaves pinned pages out of the cgroup's accounting, this budget is
+// the only guard against them. INVALID_ARGUMENT for a bad option value.
+struct DerivedHostBudget {
+  std::size_t bytes = 0;
+  std::string source;  // for humans and error messages
+};
+absl::StatusOr<DerivedHostBudget> DeriveHostBudget(int devices);
 
 struct DeviceContextOptions {
   // Options of the device allocator. `allocator.context` is ignored: the
@@ -104,6 +134,10 @@ struct DeviceContextOptions {
   // Streams of each priority to create up front; -1: the option table
   // (CTXPOOL_STREAM_POOL_RESERVE).
   int stream_pool_reserve = -1;
+  // Scheduling flag (kCtxSched*) to set on the primary context before the
+  // first retain, then verified; nullopt: leave the flags alone (with
+  // use_option_table: CTXPOOL_CTX_SCHED decides).
+  std::optional<unsigned> sched_flags;
 };
 
 struct DeviceContextStats {
@@ -118,6 +152,8 @@ struct DeviceContextStats {
   std::int64_t stream_leases = 0;  // streams handed out, reuses included
   int events_created = 0;
   int events_idle = 0;
+  // The primary context runs with other scheduling flags than requested.
+  int sched_flag_mismatches = 0;
   std::int64_t leaked_allocations = 0;  // found by session Close, all models
   std::size_t leaked_bytes = 0;
   std::int64_t foreign_context_warnings = 0;

@@ -234,6 +234,11 @@ class SimDriver final : public Driver {
   // still kept; only the shadow memory is skipped.
   void SetRaceDetection(bool enabled);
 
+  // Makes cuDevicePrimaryCtxSetFlags succeed without applying the flags, as
+  // drivers have done under constrained cgroups: PrimaryCtxGetState then
+  // reports the old flags. Off by default.
+  void SetIgnorePrimaryCtxFlags(bool ignore);
+
   // ---- Misuse --------------------------------------------------------------
   std::uint64_t misuse_count() const;
   // The last misuses (capped at 1000), each "cuMemFree: CUDA_ERROR_...: why".

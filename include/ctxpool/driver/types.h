@@ -120,6 +120,12 @@ inline constexpr unsigned kHostAllocPortable = 0x1;
 inline constexpr unsigned kHostAllocDeviceMap = 0x2;
 inline constexpr unsigned kHostAllocWriteCombined = 0x4;
 inline constexpr unsigned kHostRegisterPortable = 0x1;
+// Context scheduling flags (CU_CTX_SCHED_*) and their mask.
+inline constexpr unsigned kCtxSchedAuto = 0x0;
+inline constexpr unsigned kCtxSchedSpin = 0x1;
+inline constexpr unsigned kCtxSchedYield = 0x2;
+inline constexpr unsigned kCtxSchedBlockingSync = 0x4;
+inline constexpr unsigned kCtxSchedMask = 0x7;
 inline constexpr unsigned kHostRegisterDeviceMap = 0x2;
 
 // Device attributes ctxpool asks for (a subset of CUdevice_attribute).

@@ -24,7 +24,13 @@
 //   ctxpool_model_{ooms,budget_rejections}_total for each open session
 //     (ModelSession::Stats());
 //   ctxpool_model_leaked_{bytes,allocations}_total for every model that had a
-//     session on the device (DeviceContext::ModelTotals()).
+//     session on the device (DeviceContext::ModelTotals());
+//   ctxpool_device_pinned_bytes, ctxpool_device_pinned_budget_bytes (the host
+//     allocator), ctxpool_device_context_created_timestamp_seconds,
+//     ctxpool_device_context_sched_flags{kind,flags},
+//     ctxpool_device_context_sched_mismatch (the context report);
+//   and, for a Runtime, ctxpool_process_info{pid,cgroup} and the cgroup's
+//     ctxpool_cgroup_memory_{max,high,current,reclaimable}_bytes.
 // Byte values are integers; ratios are decimal fractions in [0, 1].
 //
 // Thread-safety: safe to call concurrently with any use of the objects;
@@ -39,6 +45,7 @@
 #include "absl/types/span.h"
 #include "ctxpool/context/device_context.h"
 #include "ctxpool/context/runtime.h"
+#include "ctxpool/core/cgroup.h"
 
 namespace ctxpool {
 
@@ -48,6 +55,11 @@ std::string RenderPrometheus(const Runtime& runtime);
 // One device, or several.
 std::string RenderPrometheus(const DeviceContext& device);
 std::string RenderPrometheus(absl::Span<const DeviceContext* const> devices);
+
+// ctxpool_process_info{pid,cgroup} and the cgroup's memory gauges
+// (ctxpool_cgroup_memory_{max,high,current,reclaimable}_bytes, +Inf for
+// "max", absent when unknown); RenderPrometheus(runtime) includes them.
+std::string RenderProcessMetrics(const CgroupMemory& cgroup);
 
 // A label value escaped for the text format: \ -> \\, " -> \", newline -> \n.
 std::string EscapePrometheusLabelValue(absl::string_view value);
