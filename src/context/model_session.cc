@@ -207,12 +207,15 @@ absl::Status ModelSession::CloseImpl(bool from_destructor) {
   // from now on and frees what is still live: that is the leak list (a free
   // racing with Close came first or found nothing). The frees are stream
   // ordered; the synchronise below is for the streams' next owner.
+  // Under mu_, so that Stats() sees the session open with its blocks or
+  // closed without them, never open without them.
   std::vector<OwnedBlock> leaks;
-  const absl::Status reclaim = allocator_.CloseOwner(owner_, &leaks);
-  closed_.store(true, std::memory_order_release);
+  absl::Status reclaim;
   std::vector<EventHandle> events;
   {
     absl::MutexLock lock(&mu_);
+    reclaim = allocator_.CloseOwner(owner_, &leaks);
+    closed_.store(true, std::memory_order_release);
     events.swap(idle_events_);
   }
 
