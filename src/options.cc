@@ -71,8 +71,9 @@ constexpr std::array<OptionSpec, kOptionCount> kOptions = {{
     {OptionId::kHostBudget, "host_budget", "CTXPOOL_HOST_BUDGET",
      OptionKind::kString, "auto",
      "Pinned host bytes each device's host allocator may hold: a size, "
-     "'unlimited', or 'auto' (half of the process's cgroup v2 memory.high, "
-     "else half of its memory.max; unlimited when neither is known)."},
+     "'unlimited', or 'auto' (half of the lower of the process's cgroup v2 "
+     "memory.high and memory.max, shared by the devices opened; unlimited "
+     "when neither is known)."},
     {OptionId::kCtxSched, "ctx_sched", "CTXPOOL_CTX_SCHED", OptionKind::kString,
      "",
      "Scheduling flag for the primary context, set before the first retain "

@@ -144,6 +144,36 @@ TEST(CgroupTest, UnreadableOrMalformedFilesAreUnknown) {
   EXPECT_FALSE(cg.limit().has_value());
 }
 
+TEST(CgroupTest, PathsOutsideTheNamespaceAreUnknown) {
+  FakeRoot r;
+  r.Write("proc/self/cgroup", "0::/../../escape\n");
+  r.Write("sys/escape/memory.max", "1048576\n");
+  r.Write("sys/fs/memory.high", "4096\n");
+  const CgroupMemory cg = ReadCgroupMemory(r.path());
+  EXPECT_FALSE(cg.limit().has_value());
+  EXPECT_NE(cg.note.find("outside this cgroup namespace"), std::string::npos)
+      << cg.note;
+  // Trailing slashes are the same cgroup.
+  r.Write("proc/self/cgroup", "0::/a/b/\n");
+  r.Cgroup("/a/b", "2097152", "max");
+  EXPECT_EQ(ReadCgroupMemory(r.path()).effective_max, 2097152u);
+}
+
+TEST(CgroupTest, OddStatAndEmptyMembership) {
+  FakeRoot r;
+  r.Write("proc/self/cgroup", "");
+  EXPECT_NE(ReadCgroupMemory(r.path()).note.find("no cgroup v2 line"),
+            std::string::npos);
+  r.Write("proc/self/cgroup", "0::/c\n");
+  r.Cgroup("/c", "max", "max", "10");
+  r.Write("sys/fs/cgroup/c/memory.stat",
+          "active_file 18446744073709551615\ninactive_file 2\n");
+  EXPECT_EQ(ReadCgroupMemory(r.path()).reclaimable, kCgroupNoLimit);
+  r.Write("sys/fs/cgroup/c/memory.stat",
+          "active_file 5\nactive_file 7\ninactive_file 1\n");
+  EXPECT_EQ(ReadCgroupMemory(r.path()).reclaimable, 8u);
+}
+
 TEST(CgroupTest, TheRealMachineNeverFails) {
   const CgroupMemory cg = ReadCgroupMemory();
   EXPECT_FALSE(cg.ToString().empty());

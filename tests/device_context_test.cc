@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "ctxpool/context/runtime.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "ctxpool/options.h"
 #include "fake_cgroup.h"
@@ -130,6 +131,48 @@ TEST(DeviceContext, HostBudgetFollowsTheCgroupAndNamesIt) {
   ReloadOptions();
 }
 
+// The budget follows the lower of memory.high and memory.max, never
+// rounds down to "unlimited", is shared by the devices a Runtime opens (not
+// every device of the driver), and an empty CTXPOOL_HOST_BUDGET is unset.
+TEST(DeviceContext, HostBudgetTakesTheBindingLimitAndTheOpenedDevices) {
+  testing_internal::FakeCgroupRoot root;
+  root.Write("proc/self/cgroup", "0::/pod/ctr\n");
+  root.Cgroup("/pod", "max", std::to_string(2048 << 20));
+  root.Cgroup("/pod/ctr", std::to_string(512 << 20), "max", "1");
+  ASSERT_TRUE(SetOption(OptionId::kSysfsRoot, root.path()).ok());
+  absl::StatusOr<DerivedHostBudget> b = DeriveHostBudget(1);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->bytes, std::size_t{256} << 20);
+  EXPECT_NE(b->source.find("/pod/ctr memory.max"), std::string::npos)
+      << b->source;
+  root.Cgroup("/pod/ctr", "0", "max");  // the strictest cgroup of all
+  b = DeriveHostBudget(8);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->bytes, 1u);  // not 0, which would mean unlimited
+  root.Cgroup("/pod/ctr", std::to_string(1024 << 20), "max");
+  {
+    auto sim = SimDriver::Create(
+        {.devices = {*SimDevicePreset("a10-24gb"), *SimDevicePreset("a10-24gb"),
+                     *SimDevicePreset("a10-24gb"),
+                     *SimDevicePreset("a10-24gb")}});
+    RuntimeOptions ro;
+    ro.devices = {2};
+    ro.device_options.stream_pool_reserve = 0;
+    auto rt = Runtime::Create(std::move(sim), ro);
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    EXPECT_EQ((*rt)->devices()[0]->host_allocator().Stats().host_budget_bytes,
+              std::size_t{512} << 20);  // one of four opened: half, whole
+  }
+  ASSERT_TRUE(SetOption(OptionId::kHostBudget, "").ok());
+  b = DeriveHostBudget(1);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->bytes, std::size_t{512} << 20);
+  ASSERT_TRUE(SetOption(OptionId::kHostBudget, "0.4").ok());
+  EXPECT_EQ(DeriveHostBudget(1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ReloadOptions();
+}
+
 // CTXPOOL_CTX_SCHED is set before the first retain and read back; a driver
 // that accepts the flag but ignores it (as one did under a constrained
 // cgroup) is caught: the report says so and a counter counts it.
@@ -175,6 +218,16 @@ TEST(DeviceContext, SchedulingFlagIsVerifiedAfterTheRetain) {
     EXPECT_EQ(DeviceContext::Create(*sim2, 0, t).status().code(),
               absl::StatusCode::kInvalidArgument);
     ReloadOptions();
+  }
+  // Not a scheduling flag: refused.
+  {
+    std::unique_ptr<SimDriver> sim = MakeSim();
+    DeviceContextOptions bad = Plain();
+    for (unsigned f : {0x3u, 0x8u}) {
+      bad.sched_flags = f;
+      EXPECT_EQ(DeviceContext::Create(*sim, 0, bad).status().code(),
+                absl::StatusCode::kInvalidArgument);
+    }
   }
   // Unset: the flags are left alone (whatever cudaSetDeviceFlags chose).
   {

@@ -235,9 +235,11 @@ TEST_F(PrometheusTest, HostAndContextSeriesParse) {
   EXPECT_EQ(e.samples.at("ctxpool_device_pinned_bytes{device=0}"), 0);
   EXPECT_TRUE(
       std::isinf(e.samples.at("ctxpool_device_pinned_budget_bytes{device=0}")));
-  EXPECT_GT(e.samples.at(
-                "ctxpool_device_context_created_timestamp_seconds{device=0}"),
-            1.6e9);
+  EXPECT_NEAR(
+      e.samples.at(
+          "ctxpool_device_context_created_timestamp_seconds{device=0}"),
+      static_cast<double>(dc_->initial_context_report().created_at_ns) / 1e9,
+      0.01);
   EXPECT_EQ(
       e.samples.at("ctxpool_device_context_sched_flags{device=0,kind=effective,"
                    "flags=auto}"),

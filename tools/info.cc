@@ -200,8 +200,11 @@ void PrintText(const Info& info) {
       std::printf("pinned host budget: unlimited (%s)\n",
                   info.host_budget->source.c_str());
     } else {
-      std::printf("pinned host budget: %zu MiB per device (%s)\n",
-                  info.host_budget->bytes >> 20,
+      const std::size_t b = info.host_budget->bytes;
+      const std::string amount = b >= (std::size_t{1} << 20)
+                                     ? absl::StrCat(b >> 20, " MiB")
+                                     : absl::StrCat(b, " B");
+      std::printf("pinned host budget: %s per device (%s)\n", amount.c_str(),
                   info.host_budget->source.c_str());
     }
   } else {

@@ -88,26 +88,34 @@ absl::StatusOr<DerivedHostBudget> DeriveHostBudget(int devices) {
     out.source = "CTXPOOL_HOST_BUDGET=unlimited";
     return out;
   }
-  if (v != "auto") {
+  if (v != "auto" && !v.empty()) {  // empty: as unset
     absl::StatusOr<std::size_t> bytes = ParseBytes(v);
-    if (!bytes.ok()) {
+    if (!bytes.ok() || *bytes == 0) {  // "0.4" would silently be unlimited
       return absl::InvalidArgumentError(
           absl::StrCat("CTXPOOL_HOST_BUDGET: '", v,
-                       "' is not a size, 'auto' or 'unlimited'"));
+                       "' is not a size of at least 1 byte, 'auto' or "
+                       "'unlimited' (or 0)"));
     }
     out.bytes = *bytes;
     out.source = "CTXPOOL_HOST_BUDGET";
     return out;
   }
   const CgroupMemory cg = ReadCgroupMemory(GetOption(OptionId::kSysfsRoot));
-  for (auto [limit, from, file] :
-       {std::tuple{cg.effective_high, cg.high_from, "memory.high"},
-        std::tuple{cg.effective_max, cg.max_from, "memory.max"}}) {
-    if (!limit.has_value() || *limit == kCgroupNoLimit) continue;
+  // The lower of high and max binds (a high above the leaf's max must not
+  // lift the budget past the hard limit).
+  const std::optional<std::uint64_t> limit = cg.limit();
+  if (limit.has_value() && *limit != kCgroupNoLimit) {
+    const bool high =
+        cg.effective_high.has_value() && *cg.effective_high == *limit;
+    const std::string& from = high ? cg.high_from : cg.max_from;
     const std::uint64_t n = static_cast<std::uint64_t>(std::max(devices, 1));
-    out.bytes = static_cast<std::size_t>(*limit / 2 / n);
+    // Never 0 (which means unlimited): the strictest cgroups need the
+    // guard most.
+    out.bytes =
+        static_cast<std::size_t>(std::max<std::uint64_t>(1, *limit / 2 / n));
     out.source = absl::StrCat(
-        "half of cgroup ", from, " ", file, " (", *limit, " bytes)",
+        "half of cgroup ", from, " ", high ? "memory.high" : "memory.max", " (",
+        *limit, " bytes)",
         n > 1 ? absl::StrCat(" shared by ", n, " devices") : "",
         "; CTXPOOL_HOST_BUDGET overrides");
     return out;
@@ -178,9 +186,18 @@ absl::StatusOr<std::unique_ptr<DeviceContext>> DeviceContext::Create(
   DeviceAllocatorOptions alloc_options = options.allocator;
   HostAllocatorOptions host_options = options.host;
   std::optional<unsigned> sched = options.sched_flags;
+  if (sched.has_value() && *sched != kCtxSchedAuto && *sched != kCtxSchedSpin &&
+      *sched != kCtxSchedYield && *sched != kCtxSchedBlockingSync) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "DeviceContext::Create: sched_flags ", *sched,
+        " is not one of kCtxSchedAuto, kCtxSchedSpin, kCtxSchedYield, "
+        "kCtxSchedBlockingSync"));
+  }
   if (options.use_option_table) {
     CTXPOOL_RETURN_IF_ERROR(ApplyOptionTable(driver, device, alloc_options));
-    CTXPOOL_RETURN_IF_ERROR(ApplyHostBudget(host_options, count));
+    CTXPOOL_RETURN_IF_ERROR(ApplyHostBudget(
+        host_options,
+        options.host_budget_devices > 0 ? options.host_budget_devices : count));
     if (!sched.has_value()) {
       CTXPOOL_ASSIGN_OR_RETURN(sched, SchedFromOptionTable());
     }

@@ -135,10 +135,15 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(
   std::string note = absl::StrCat("driver: ", driver->Kind(), " (",
                                   driver->Describe(), "); given by caller");
   std::unique_ptr<Runtime> rt(new Runtime(std::move(driver), std::move(note)));
+  DeviceContextOptions device_options = options.device_options;
+  if (device_options.host_budget_devices == 0) {
+    // The cgroup-derived pinned budget is shared by the devices opened.
+    device_options.host_budget_devices = static_cast<int>(devices.size());
+  }
   for (int d : devices) {
     CTXPOOL_ASSIGN_OR_RETURN(
         std::unique_ptr<DeviceContext> dc,
-        DeviceContext::Create(*rt->driver_, d, options.device_options));
+        DeviceContext::Create(*rt->driver_, d, device_options));
     rt->devices_.push_back(std::move(dc));
   }
   return rt;

@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -24,15 +25,15 @@ namespace {
 
 // The whole file, or nullopt (absent, a directory, unreadable).
 std::optional<std::string> ReadFile(const std::string& path) {
+  // A directory opens on Linux but cannot be read.
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) return std::nullopt;
   std::ifstream in(path, std::ios::binary);
   if (!in) return std::nullopt;
   std::ostringstream s;
-  s << in.rdbuf();
+  s << in.rdbuf();  // an empty file reads as ""
   if (in.bad()) return std::nullopt;
-  std::string text = s.str();
-  // A directory opens on Linux but reads nothing and fails.
-  if (text.empty() && !in.eof()) return std::nullopt;
-  return text;
+  return s.str();
 }
 
 // A limit file: a number or "max". nullopt when absent or malformed.
@@ -50,23 +51,21 @@ std::optional<std::uint64_t> ReadLimit(const std::string& path) {
 std::optional<std::uint64_t> ReadReclaimable(const std::string& path) {
   std::optional<std::string> text = ReadFile(path);
   if (!text.has_value()) return std::nullopt;
-  std::uint64_t sum = 0;
-  bool any = false;
+  std::optional<std::uint64_t> active;
+  std::optional<std::uint64_t> inactive;
   for (absl::string_view line : absl::StrSplit(*text, '\n')) {
-    std::vector<absl::string_view> kv =
-        absl::StrSplit(line, ' ', absl::SkipEmpty());
-    if (kv.size() != 2 ||
-        (kv[0] != "active_file" && kv[0] != "inactive_file")) {
-      continue;
-    }
+    std::vector<absl::string_view> kv = absl::StrSplit(
+        absl::StripAsciiWhitespace(line), ' ', absl::SkipEmpty());
+    if (kv.size() != 2) continue;
     std::uint64_t n = 0;
-    if (absl::SimpleAtoi(kv[1], &n)) {
-      sum += n;
-      any = true;
-    }
+    if (!absl::SimpleAtoi(kv[1], &n)) continue;
+    if (kv[0] == "active_file") active = n;  // a repeated key: the last
+    if (kv[0] == "inactive_file") inactive = n;
   }
-  if (!any) return std::nullopt;
-  return sum;
+  if (!active.has_value() && !inactive.has_value()) return std::nullopt;
+  const std::uint64_t a = active.value_or(0);
+  const std::uint64_t b = inactive.value_or(0);
+  return a > kCgroupNoLimit - b ? kCgroupNoLimit : a + b;  // saturates
 }
 
 std::string Bytes(std::uint64_t n) {
@@ -162,6 +161,17 @@ CgroupMemory ReadCgroupMemory(absl::string_view root) {
   }
   cg.version = 2;
   if (cg.path.empty() || cg.path[0] != '/') cg.path = "/" + cg.path;
+  // Inside a cgroup namespace the kernel shows cgroups outside it as
+  // "/../x": not under this mount, and its ancestors are not ours.
+  for (absl::string_view part : absl::StrSplit(cg.path, '/')) {
+    if (part == "..") {
+      cg.note = absl::StrCat("cgroup ", cg.path,
+                             " lies outside this cgroup namespace: its "
+                             "limits are not read");
+      return cg;
+    }
+  }
+  while (cg.path.size() > 1 && cg.path.back() == '/') cg.path.pop_back();
   const std::string base = absl::StrCat(root, "/sys/fs/cgroup");
   auto dir = [&base](absl::string_view p) {
     return p == "/" ? base : absl::StrCat(base, p);

@@ -229,13 +229,15 @@ std::string Render(const std::vector<DeviceSample>& d) {
                             ? std::string("+Inf")
                             : Number(s.host.host_budget_bytes);
                });
-  DeviceFamily(
-      w, d, "ctxpool_device_context_created_timestamp_seconds", "gauge",
-      "When this process's DeviceContext retained the primary "
-      "context (Unix time).",
-      [](const S& s) {
-        return Number(static_cast<double>(s.report.created_at_ns) / 1e9);
-      });
+  DeviceFamily(w, d, "ctxpool_device_context_created_timestamp_seconds",
+               "gauge",
+               "When this process's DeviceContext retained the primary "
+               "context (Unix time).",
+               [](const S& s) {
+                 // Milliseconds: %.6g would round a 2026 time by ~1000 s.
+                 return absl::StrFormat(
+                     "%.3f", static_cast<double>(s.report.created_at_ns) / 1e9);
+               });
   w.Family("ctxpool_device_context_sched_flags", "gauge",
            "The primary context's scheduling flag (value 1): kind=effective "
            "as the driver reports it, kind=requested as CTXPOOL_CTX_SCHED "

@@ -107,7 +107,8 @@ std::string SchedFlagsName(unsigned flags);
 // user set none (HostAllocatorOptions::host_budget_bytes == 0 and
 // use_option_table): CTXPOOL_HOST_BUDGET, a size or 'unlimited'; by default
 // ('auto') half of the process's cgroup v2 memory.high, else half of its
-// memory.max (ctxpool/core/cgroup.h), divided by the driver's `devices` —
+// memory.max, whichever is lower (ctxpool/core/cgroup.h), divided by the
+// `devices` that share it, never below 1 byte while a limit is known —
 // pinned pages are never reclaimed or swapped, and the rest of the
 // container (the interpreter, weights staged in host memory, page cache)
 // needs the other half. bytes 0: unlimited (no limit known). Where the
@@ -138,6 +139,10 @@ struct DeviceContextOptions {
   // first retain, then verified; nullopt: leave the flags alone (with
   // use_option_table: CTXPOOL_CTX_SCHED decides).
   std::optional<unsigned> sched_flags;
+  // How many host allocators share the cgroup-derived pinned budget
+  // (DeriveHostBudget); 0: the driver's device count. Runtime sets the
+  // number of devices it opens.
+  int host_budget_devices = 0;
 };
 
 struct DeviceContextStats {
