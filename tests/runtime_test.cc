@@ -7,6 +7,7 @@
 #include "ctxpool/driver/cuda_driver.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "ctxpool/options.h"
+#include "fake_cgroup.h"
 #include "gtest/gtest.h"
 
 namespace ctxpool {
@@ -49,6 +50,27 @@ TEST_F(RuntimeTest, AutoPicksTheGpuOrFallsBackToSimAndSaysWhy) {
   auto d0 = (*rt)->device(0);
   ASSERT_TRUE(d0.ok());
   EXPECT_EQ((*d0)->device(), 0);
+}
+
+TEST_F(RuntimeTest, ReadsTheCgroupAndSharesThePinnedBudget) {
+  testing_internal::FakeCgroupRoot root;
+  root.Write("proc/self/cgroup", "0::/svc\n");
+  root.Cgroup("/svc", std::to_string(std::size_t{4} << 30), "max",
+              std::to_string(std::size_t{1} << 30));
+  ASSERT_TRUE(SetOption(OptionId::kSysfsRoot, root.path()).ok());
+  auto rt = Runtime::Create({.driver = "sim:2xa10-24gb"});
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  const CgroupMemory cg = (*rt)->ReadCgroup();
+  EXPECT_EQ(cg.path, "/svc");
+  EXPECT_EQ(cg.current, std::size_t{1} << 30);
+  // Half of 4 GiB, shared by the two devices opened.
+  EXPECT_EQ((*rt)->host_budget().bytes, std::size_t{1} << 30);
+  for (DeviceContext* dc : (*rt)->devices()) {
+    EXPECT_EQ(dc->host_allocator().Stats().host_budget_bytes,
+              std::size_t{1} << 30);
+  }
+  root.Write("sys/fs/cgroup/svc/memory.current", "5\n");
+  EXPECT_EQ((*rt)->ReadCgroup().current, 5u);  // read now, not at Create
 }
 
 TEST_F(RuntimeTest, SimSpecOpensEveryDevice) {

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "ctxpool/core/cgroup.h"
 #include "ctxpool/driver/cuda_driver.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "ctxpool/options.h"
@@ -140,6 +141,10 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(
     // The cgroup-derived pinned budget is shared by the devices opened.
     device_options.host_budget_devices = static_cast<int>(devices.size());
   }
+  if (device_options.use_option_table) {
+    CTXPOOL_ASSIGN_OR_RETURN(
+        rt->host_budget_, DeriveHostBudget(device_options.host_budget_devices));
+  }
   for (int d : devices) {
     CTXPOOL_ASSIGN_OR_RETURN(
         std::unique_ptr<DeviceContext> dc,
@@ -147,6 +152,10 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(
     rt->devices_.push_back(std::move(dc));
   }
   return rt;
+}
+
+CgroupMemory Runtime::ReadCgroup() const {
+  return ReadCgroupMemory(GetOption(OptionId::kSysfsRoot));
 }
 
 Runtime::Runtime(std::unique_ptr<Driver> driver, std::string note)

@@ -340,8 +340,7 @@ std::string RenderPrometheus(const Runtime& runtime) {
       "# TYPE ctxpool_runtime_info gauge\n"
       "ctxpool_runtime_info{driver=\"",
       EscapePrometheusLabelValue(runtime.driver_kind()), "\"} 1\n");
-  absl::StrAppend(&out, RenderProcessMetrics(
-                            ReadCgroupMemory(GetOption(OptionId::kSysfsRoot))));
+  absl::StrAppend(&out, RenderProcessMetrics(runtime.ReadCgroup()));
   if (runtime.InForkedChild()) return out;
   std::vector<DeviceContext*> devices = runtime.devices();
   std::vector<const DeviceContext*> cdevices(devices.begin(), devices.end());

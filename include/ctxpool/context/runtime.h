@@ -34,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "ctxpool/context/device_context.h"
+#include "ctxpool/core/cgroup.h"
 #include "ctxpool/core/fork_guard.h"
 #include "ctxpool/driver/driver.h"
 
@@ -89,12 +90,20 @@ class Runtime {
   bool InForkedChild() const { return fork_guard_.InForkedChild(); }
   pid_t pid() const { return fork_guard_.pid(); }
 
+  // The process's cgroup v2 memory state (ctxpool/core/cgroup.h), read now
+  // (memory.current moves) under CTXPOOL_SYSFS_ROOT; never fails.
+  CgroupMemory ReadCgroup() const;
+  // The pinned-host budget each opened device got from it, as
+  // DeriveHostBudget (context/device_context.h) worked it out at Create.
+  const DerivedHostBudget& host_budget() const { return host_budget_; }
+
  private:
   Runtime(std::unique_ptr<Driver> driver, std::string note);
 
   const ForkGuard fork_guard_;
   std::unique_ptr<Driver> driver_;
   std::string driver_note_;
+  DerivedHostBudget host_budget_;
   std::vector<std::unique_ptr<DeviceContext>> devices_;  // by ordinal
 };
 
