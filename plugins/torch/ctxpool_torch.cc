@@ -30,6 +30,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -229,11 +230,9 @@ class PluginState {
   absl::Status RecordStream(void* ptr, StreamHandle stream)
       ABSL_LOCKS_EXCLUDED(mu_) {
     const DevicePtr p = DevicePtr::From(ptr);
-    for (DeviceContext* dc : OpenDevices()) {
-      CachingDeviceAllocator& alloc = dc->device_allocator();
-      absl::StatusOr<BlockInfo> b = alloc.Lookup(p);
-      if (!b.ok() || b->owner == kNoOwner) continue;
-      return alloc.RecordStream(p, stream, b->owner);
+    if (std::optional<LiveOn> live = FindLive(p)) {
+      return live->device->device_allocator().RecordStream(p, stream,
+                                                           live->block.owner);
     }
     return absl::InvalidArgumentError(absl::StrFormat(
         "ctxpool_record_stream(%p): not a live allocation of ctxpool", ptr));
@@ -394,16 +393,26 @@ class PluginState {
     return status;
   }
 
+  // The opened device on which `p` is a live block of one of the sessions.
+  struct LiveOn {
+    DeviceContext* device;
+    BlockInfo block;
+  };
+  std::optional<LiveOn> FindLive(DevicePtr p) ABSL_LOCKS_EXCLUDED(mu_) {
+    for (DeviceContext* dc : OpenDevices()) {
+      absl::StatusOr<BlockInfo> b = dc->device_allocator().Lookup(p);
+      if (b.ok() && b->owner != kNoOwner) return LiveOn{dc, *std::move(b)};
+    }
+    return std::nullopt;
+  }
+
   // Why a free was refused (nothing was freed): a foreign pointer, a double
   // free, or a size or device that differs from the allocation's.
   absl::Status FreeFailed(void* ptr, std::size_t size, int device)
       ABSL_LOCKS_EXCLUDED(mu_) {
-    const DevicePtr p = DevicePtr::From(ptr);
-    std::vector<DeviceContext*> open = OpenDevices();
-    for (DeviceContext* dc : open) {
-      absl::StatusOr<BlockInfo> b = dc->device_allocator().Lookup(p);
-      if (!b.ok() || b->owner == kNoOwner) continue;
-      if (dc->device() != device) {
+    if (std::optional<LiveOn> live = FindLive(DevicePtr::From(ptr))) {
+      const int on = live->device->device();
+      if (on != device) {
         // A device mismatch: counted as invalid by the allocator of
         // `device` when it is open (it was asked), here when it is not.
         absl::MutexLock lock(&mu_);
@@ -414,7 +423,7 @@ class PluginState {
       return absl::InvalidArgumentError(absl::StrFormat(
           "ctxpool_free(%p, %u, device %d): the allocation was %u bytes on "
           "device %d; refused, the block stays allocated",
-          ptr, size, device, b->requested_bytes, dc->device()));
+          ptr, size, device, live->block.requested_bytes, on));
     }
     if (OpenDevice(device) == nullptr) {
       absl::MutexLock lock(&mu_);

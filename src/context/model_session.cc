@@ -30,6 +30,12 @@ absl::Status ForModel(absl::string_view model, const absl::Status& s) {
   return out;
 }
 
+// The session's view of a block the allocator lists for its owner.
+LiveAllocation ToLiveAllocation(const OwnedBlock& b) {
+  return LiveAllocation{b.ptr,    b.requested_bytes, b.charged_bytes,
+                        b.stream, b.allocated_at_ns, b.label};
+}
+
 }  // namespace
 
 std::string LiveAllocation::ToString(absl::string_view model,
@@ -265,10 +271,8 @@ absl::Status ModelSession::CloseImpl(bool from_destructor) {
                     leaked_bytes, " B (reclaimed):");
     const std::int64_t now = absl::GetCurrentTimeNanos();
     for (std::size_t i = 0; i < leaks.size() && i < kMaxLeaksListed; ++i) {
-      const OwnedBlock& b = leaks[i];
-      LiveAllocation a{b.ptr,    b.requested_bytes, b.charged_bytes,
-                       b.stream, b.allocated_at_ns, b.label};
-      absl::StrAppend(&msg, "\n  leak: ", a.ToString(name_, now));
+      absl::StrAppend(
+          &msg, "\n  leak: ", ToLiveAllocation(leaks[i]).ToString(name_, now));
     }
     if (leaks.size() > kMaxLeaksListed) {
       absl::StrAppend(&msg, "\n  ... and ", leaks.size() - kMaxLeaksListed,
@@ -296,10 +300,7 @@ std::vector<LiveAllocation> ModelSession::LiveAllocations() const {
       allocator_.OwnedBlocks(owner_);
   if (!owned.ok()) return out;
   out.reserve(owned->size());
-  for (const OwnedBlock& b : *owned) {
-    out.push_back(LiveAllocation{b.ptr, b.requested_bytes, b.charged_bytes,
-                                 b.stream, b.allocated_at_ns, b.label});
-  }
+  for (const OwnedBlock& b : *owned) out.push_back(ToLiveAllocation(b));
   return out;
 }
 
