@@ -144,6 +144,14 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(
   if (device_options.use_option_table) {
     CTXPOOL_ASSIGN_OR_RETURN(
         rt->host_budget_, DeriveHostBudget(device_options.host_budget_devices));
+    // A known budget goes to every device from this one reading of the
+    // cgroup (rather than one reading each, which could differ), unless
+    // the caller set one; with none known each device looks again.
+    if (device_options.host.host_budget_bytes == 0) {
+      device_options.host.host_budget_bytes = rt->host_budget_.bytes;
+      device_options.host.host_budget_source =
+          rt->host_budget_.bytes == 0 ? "" : rt->host_budget_.source;
+    }
   }
   for (int d : devices) {
     CTXPOOL_ASSIGN_OR_RETURN(
