@@ -358,6 +358,7 @@ class CachingDeviceAllocator::Impl {
   }
 
   Driver& driver() const { return driver_; }
+  ContextHandle context() const { return ctx_; }
   int device() const { return device_; }
   std::size_t device_total_bytes() const { return device_total_; }
   const DeviceAllocatorOptions& options() const { return options_; }
@@ -477,6 +478,9 @@ class CachingDeviceAllocator::Impl {
     }
     if constexpr (kChecked) {
       CTXPOOL_RETURN_IF_ERROR(CheckFree(*it->second, ptr, check));
+      if (ABSL_PREDICT_FALSE(check.order_after_stream)) {
+        CTXPOOL_RETURN_IF_ERROR(AddStreamUse(it->second, check.stream));
+      }
     }
     return FreeLive(it);
   }
@@ -519,12 +523,24 @@ class CachingDeviceAllocator::Impl {
           "RecordStream(0x%x): not the start of a live block%s", ptr.address(),
           owner != kAnyOwner ? " of this owner" : ""));
     }
-    Block* b = it->second;
+    return AddStreamUse(it->second, stream);
+  }
+
+  // Orders the free of the live block `b` after `stream`'s work too (a
+  // no-op for its allocation stream). RESOURCE_EXHAUSTED, nothing changed,
+  // when the host is out of memory.
+  absl::Status AddStreamUse(Block* b, StreamHandle stream)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (stream.value() == b->segment->stream) return absl::OkStatus();
     for (std::uint64_t s : b->stream_uses) {
       if (s == stream.value()) return absl::OkStatus();
     }
-    b->stream_uses.push_back(stream.value());
+    try {
+      b->stream_uses.push_back(stream.value());
+    } catch (const std::bad_alloc&) {
+      return absl::ResourceExhaustedError(
+          "RecordStream: out of host memory for the block's stream uses");
+    }
     return absl::OkStatus();
   }
 
@@ -3283,6 +3299,9 @@ std::size_t CachingDeviceAllocator::device_total_bytes() const {
   return impl_->device_total_bytes();
 }
 Driver& CachingDeviceAllocator::driver() const { return impl_->driver(); }
+ContextHandle CachingDeviceAllocator::context() const {
+  return impl_->context();
+}
 const DeviceAllocatorOptions& CachingDeviceAllocator::options() const {
   return impl_->options();
 }

@@ -330,6 +330,12 @@ struct FreeCheck {
   // With owner == kAnyOwner: refuse a block that has no owner (memory the
   // caller's layer did not hand out, e.g. taken from the allocator bare).
   bool owned_only = false;
+  // With order_after_stream: the free is also ordered after the work already
+  // enqueued on `stream` (as RecordStream(ptr, stream) then Deallocate, in
+  // one critical section; nothing extra for the allocation stream). This is
+  // cuda::mr's deallocate(stream, ...) for a block used on another stream.
+  bool order_after_stream = false;
+  StreamHandle stream{};
 };
 
 struct OwnerStats {
@@ -572,6 +578,10 @@ class CachingDeviceAllocator {
 
   int device() const;
   Driver& driver() const;
+  // The context the allocator's memory lives in (the device's primary
+  // context unless options().context was set): current it (ScopedContext)
+  // to enqueue work on the allocator's memory from another thread.
+  ContextHandle context() const;
   const DeviceAllocatorOptions& options() const;
   // The device's total memory: Allocate refuses anything larger.
   std::size_t device_total_bytes() const;
