@@ -12,7 +12,8 @@
 //   llm-serving   LlmServing defaults (7B weights, growing KV caches)
 //   mixed         MixedSizes defaults
 //   real:NAME     each *.rmm.csv in $CTXPOOL_TRACES_DIR (default
-//                 /work/shared/traces): allocation traces PyTorch recorded on
+//                 ../shared/traces beside the checkout, fixed at build time):
+//                 allocation traces PyTorch recorded on
 //                 real GPUs (frees of blocks live before the recording are
 //                 synthesised)
 //
@@ -62,9 +63,12 @@
 // configuration the library does not support yet (kExpandable before it
 // lands) is reported with SkipWithError("unsupported: ...").
 //
-// After the runs a table prints the figures side by side:
+// After the runs a table prints the figures side by side, on stdout under
+// the console reporter and on stderr otherwise, so that
+// `--benchmark_format=json` prints pure JSON on stdout:
 //
 //   ctxpool_bench_fragmentation
+//   ctxpool_bench_fragmentation --benchmark_format=json > results.json
 //
 // --quick replays smaller generated workloads and skips the frontier
 // search (the smoke ctest). The process exits non-zero when a replay fails
@@ -442,7 +446,7 @@ absl::Status LoadWorkloads() {
   w.push_back({"mixed", MixedSizes(mixed)});
   const char* env = std::getenv("CTXPOOL_TRACES_DIR");
   const std::filesystem::path dir =
-      env != nullptr && *env != '\0' ? env : "/work/shared/traces";
+      env != nullptr && *env != '\0' ? env : CTXPOOL_DEFAULT_TRACES_DIR;
   std::error_code ec;
   std::vector<std::filesystem::path> files;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
@@ -560,28 +564,33 @@ std::string Gib(std::uint64_t b) {
   return absl::StrFormat("%.2f", static_cast<double>(b) / (1ull << 30));
 }
 
-void PrintTable() {
+// `out`: stdout under the console reporter, stderr otherwise (so that
+// --benchmark_format=json|csv leaves stdout to the reporter alone).
+void PrintTable(std::FILE* out) {
   absl::MutexLock lock(&g_rows_mu);
-  std::printf(
+  std::fprintf(
+      out,
       "\nFragmentation: peak reserved / peak live; after trimming at the trim "
       "points (max):\nreserved - live and that in 2 MiB granules per active "
       "stream; driver calls of\nevery kind per 1000 ops and their simulated "
       "time (ms) in the first pass (cold) and\nin a second pass of the trace "
       "on the same allocator (warm); OOM frontier.\nSizes in GiB.\n");
-  std::printf("%-38s %-11s %9s %9s %8s %10s %8s %9s %9s %9s %9s %9s %8s\n",
-              "workload", "impl", "peak live", "peak res", "res/live",
-              "trim resid", "gran/str", "calls/1k", "drv ms", "warm/1k",
-              "warm ms", "frontier", "fit 24GB");
+  std::fprintf(out,
+               "%-38s %-11s %9s %9s %8s %10s %8s %9s %9s %9s %9s %9s %8s\n",
+               "workload", "impl", "peak live", "peak res", "res/live",
+               "trim resid", "gran/str", "calls/1k", "drv ms", "warm/1k",
+               "warm ms", "frontier", "fit 24GB");
   std::string last;
   for (const auto& [key, row] : Rows()) {
     const std::string& w = key.first;
     const char* impl = ImplName(static_cast<Impl>(key.second));
     if (!row.error.empty()) {
-      std::printf("%-38s %-11s %s\n", w == last ? "" : w.c_str(), impl,
-                  row.unsupported ? "unsupported" : "error");
+      std::fprintf(out, "%-38s %-11s %s\n", w == last ? "" : w.c_str(), impl,
+                   row.unsupported ? "unsupported" : "error");
     } else {
       const ReplayFigures& f = row.figures;
-      std::printf(
+      std::fprintf(
+          out,
           "%-38s %-11s %9s %9s %8.3f %10s %8.3f %9.2f %9.2f %9.2f %9.2f %9s "
           "%8s\n",
           w == last ? "" : w.c_str(), impl, Gib(f.peak_live).c_str(),
@@ -635,8 +644,14 @@ int main(int argc, char** argv) {
           ->Unit(benchmark::kMillisecond);
     }
   }
-  benchmark::RunSpecifiedBenchmarks();
+  // The display reporter --benchmark_format asks for; the table goes to
+  // stdout only beside the console one (--benchmark_out writes its own file).
+  std::unique_ptr<benchmark::BenchmarkReporter> display(
+      benchmark::CreateDefaultDisplayReporter());
+  const bool console =
+      dynamic_cast<benchmark::ConsoleReporter*>(display.get()) != nullptr;
+  benchmark::RunSpecifiedBenchmarks(display.get());
   benchmark::Shutdown();
-  ctxpool::PrintTable();
+  ctxpool::PrintTable(console ? stdout : stderr);
   return ctxpool::g_failed ? 1 : 0;
 }

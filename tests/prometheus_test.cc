@@ -278,5 +278,37 @@ TEST(PrometheusEscape, EscapesBackslashQuoteAndNewline) {
   EXPECT_EQ(EscapePrometheusLabelValue("plain"), "plain");
 }
 
+// promtool (and a Prometheus server, for the whole scrape) rejects a label
+// value that is not UTF-8: such bytes become U+FFFD, valid UTF-8 stays.
+TEST(PrometheusEscape, ReplacesBytesThatAreNotUtf8) {
+  const std::string fffd = "\xEF\xBF\xBD";
+  EXPECT_EQ(
+      EscapePrometheusLabelValue("caf\xC3\xA9-\xE6\xA8\xA1\xF0\x9F\x98\x80"),
+      "caf\xC3\xA9-\xE6\xA8\xA1\xF0\x9F\x98\x80");
+  EXPECT_EQ(EscapePrometheusLabelValue("a\xFF\xFE"
+                                       "b"),
+            "a" + fffd + fffd + "b");
+  // Truncated sequences: one U+FFFD for the prefix.
+  EXPECT_EQ(EscapePrometheusLabelValue("\xC3"), fffd);
+  EXPECT_EQ(EscapePrometheusLabelValue("\xE6\xA8\""), fffd + "\\\"");
+  // Overlong forms, surrogates, code points above U+10FFFF: one per byte.
+  EXPECT_EQ(EscapePrometheusLabelValue("\xC0\xAF"), fffd + fffd);
+  EXPECT_EQ(EscapePrometheusLabelValue("\xED\xA0\x80"), fffd + fffd + fffd);
+  EXPECT_EQ(EscapePrometheusLabelValue("\xF4\x90\x80\x80"),
+            fffd + fffd + fffd + fffd);
+  EXPECT_EQ(EscapePrometheusLabelValue("\x80\\"), fffd + "\\\\");
+
+  // A model name that is not UTF-8 still renders a parseable exposition.
+  auto sim = SimDriver::Create({.devices = {*SimDevicePreset("a10-24gb")}});
+  DeviceContextOptions o;
+  o.use_option_table = false;
+  auto dc = std::move(DeviceContext::Create(*sim, 0, o)).value();
+  auto s = std::move(dc->OpenSession("bad\xFFname", {})).value();
+  const Exposition e = Parse(RenderPrometheus(*dc));
+  EXPECT_EQ(e.samples.count("ctxpool_model_live_bytes{device=0,model=bad" +
+                            fffd + "name}"),
+            1u);
+}
+
 }  // namespace
 }  // namespace ctxpool

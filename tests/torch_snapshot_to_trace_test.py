@@ -9,8 +9,8 @@ Run by ctest (tests/trace.cmake):
    including blocks allocated before the recorded window.
 2. A pickle that names a global is refused, not executed.
 3. Each *.snapshot.pickle in --traces (the real PyTorch snapshots in
-   /work/shared/traces, when present) converts, and `ctxpool replay --json`
-   replays the output with every allocation and free executed and no OOM;
+   ../shared/traces beside the checkout, when present) converts, and
+   `ctxpool replay --json` replays the output with every allocation and free executed and no OOM;
    `ctxpool report --json` agrees on the event counts.
 """
 
@@ -199,7 +199,9 @@ def test_tool_on_test_data(ctxpool):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctxpool", help="path of the ctxpool tool")
-    ap.add_argument("--traces", default="/work/shared/traces")
+    ap.add_argument("--traces", default=os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared",
+        "traces"))
     args = ap.parse_args()
     test_synthetic()
     test_refuses_globals()

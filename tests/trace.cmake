@@ -2,7 +2,10 @@
 # two real ones in $CTXPOOL_TRACES_DIR when present, and a synthetic one) and
 # checks that `ctxpool replay` and `ctxpool report` read the output.
 find_program(CTXPOOL_PYTHON3 python3)
-set(CTXPOOL_TRACES_DIR "/work/shared/traces" CACHE PATH
+# Default: ../shared/traces beside the checkout (the project's shared data).
+get_filename_component(_ctxpool_default_traces
+                       "${PROJECT_SOURCE_DIR}/../shared/traces" ABSOLUTE)
+set(CTXPOOL_TRACES_DIR "${_ctxpool_default_traces}" CACHE PATH
     "Directory of real allocation traces and snapshots used by tests")
 if(CTXPOOL_PYTHON3)
   set(_ctxpool_tool_arg)

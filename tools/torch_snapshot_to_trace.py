@@ -35,7 +35,7 @@ Conversion rules:
     snapshot may have no allocation in it. Both are added as allocations at
     the top (time 0), so every free names a live allocation and the live
     bytes at the end match the snapshot. This is the convention of the RMM
-    traces in /work/shared/traces.
+    traces in ../shared/traces (beside the checkout).
 
 The pickle is loaded with a restricted unpickler that refuses every global:
 snapshots are plain dicts, lists, tuples, strings and numbers, so a pickle

@@ -268,12 +268,54 @@ std::string Render(const std::vector<DeviceSample>& d) {
   return w.Take();
 }
 
+// The length of the well-formed UTF-8 sequence at the start of `s` (1 to 4),
+// or 0 when it starts with an ill-formed one; `*bad` is then the length of
+// its maximal ill-formed prefix (at least 1), replaced by one U+FFFD.
+std::size_t Utf8SequenceLength(absl::string_view s, std::size_t* bad) {
+  const auto b = [&s](std::size_t i) {
+    return static_cast<unsigned char>(s[i]);
+  };
+  const unsigned char lead = b(0);
+  if (lead < 0x80) return 1;
+  std::size_t n = 0;
+  unsigned char lo = 0x80, hi = 0xBF;  // the range of the second byte
+  if (lead >= 0xC2 && lead <= 0xDF) {
+    n = 2;
+  } else if (lead >= 0xE0 && lead <= 0xEF) {
+    n = 3;
+    if (lead == 0xE0) lo = 0xA0;  // no overlong forms
+    if (lead == 0xED) hi = 0x9F;  // no surrogates
+  } else if (lead >= 0xF0 && lead <= 0xF4) {
+    n = 4;
+    if (lead == 0xF0) lo = 0x90;  // no overlong forms
+    if (lead == 0xF4) hi = 0x8F;  // nothing above U+10FFFF
+  }
+  std::size_t i = 1;
+  for (; n != 0 && i < n && i < s.size(); ++i) {
+    const unsigned char c = b(i);
+    if (c < (i == 1 ? lo : 0x80) || c > (i == 1 ? hi : 0xBF)) break;
+  }
+  if (n != 0 && i == n) return n;
+  *bad = i;
+  return 0;
+}
+
 }  // namespace
 
 std::string EscapePrometheusLabelValue(absl::string_view value) {
   std::string out;
   out.reserve(value.size());
-  for (char c : value) {
+  for (std::size_t i = 0; i < value.size();) {
+    const char c = value[i];
+    std::size_t bad = 0;
+    const std::size_t n = Utf8SequenceLength(value.substr(i), &bad);
+    if (n == 0) {
+      // Not UTF-8: a Prometheus server rejects the whole scrape for one
+      // such label value ("invalid label value").
+      out += "\xEF\xBF\xBD";  // U+FFFD
+      i += bad;
+      continue;
+    }
     switch (c) {
       case '\\':
         out += "\\\\";
@@ -285,8 +327,9 @@ std::string EscapePrometheusLabelValue(absl::string_view value) {
         out += "\\n";
         break;
       default:
-        out += c;
+        out.append(value.data() + i, n);
     }
+    i += n;
   }
   return out;
 }

@@ -61,7 +61,10 @@ std::string RenderPrometheus(absl::Span<const DeviceContext* const> devices);
 // "max", absent when unknown); RenderPrometheus(runtime) includes them.
 std::string RenderProcessMetrics(const CgroupMemory& cgroup);
 
-// A label value escaped for the text format: \ -> \\, " -> \", newline -> \n.
+// A label value escaped for the text format: \ -> \\, " -> \", newline -> \n;
+// bytes that are not UTF-8 become U+FFFD (one per maximal ill-formed
+// subsequence), since one such value makes a Prometheus server reject the
+// whole scrape.
 std::string EscapePrometheusLabelValue(absl::string_view value);
 
 }  // namespace ctxpool

@@ -68,7 +68,7 @@ enum class TraceFormat {
 enum class UnknownFreePolicy {
   kError,            // reject with the line number (default)
   kSynthesizeAlloc,  // add an allocation of that pointer and size at the top
-                     // (the convention of the traces in /work/shared/traces)
+                     // (the convention of the traces in ../shared/traces)
   kIgnore,           // drop the free
 };
 
