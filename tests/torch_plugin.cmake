@@ -2,7 +2,9 @@
 #   * torch_plugin_test (tests/torch_plugin_test.cc) dlopens the built
 #     libctxpool_torch.so, whose path it gets as a compile definition;
 #   * torch_plugin_python runs the Python wrapper's unittest suite
-#     (plugins/torch/tests) on the simulated driver; it needs no torch.
+#     (plugins/torch/tests) on the simulated driver; it needs no torch;
+#   * torch_pip_install (label slow) pip-installs plugins/torch/python into
+#     a fresh venv and imports it from outside the checkout.
 if(TARGET torch_plugin_test)
   target_link_libraries(torch_plugin_test PRIVATE ${CMAKE_DL_LIBS})
   if(TARGET ctxpool_torch)
@@ -28,6 +30,30 @@ if(TARGET ctxpool_torch AND Python3_Interpreter_FOUND AND NOT CTXPOOL_SANITIZE)
   set_tests_properties(torch_plugin_python PROPERTIES
     LABELS "unit" TIMEOUT 300
     ENVIRONMENT "CTXPOOL_TORCH_LIB=$<TARGET_FILE:ctxpool_torch>;CTXPOOL_DRIVER=sim:2xa10-24gb;PYTHONPATH=${PROJECT_SOURCE_DIR}/plugins/torch/python;PYTHONDONTWRITEBYTECODE=1")
+
+  # torch_pip_install (tests/torch_pip_install_test.py): `pip install
+  # --no-build-isolation --no-index plugins/torch/python` into a fresh venv,
+  # then `import ctxpool_torch` from outside the checkout finds the library
+  # inside the venv. pip's build compiles the library (minutes the first
+  # time; its CMake tree under torch_pip_install/build is reused), with this
+  # build's compilers and launcher. Skips without python3's venv/ensurepip.
+  set(_ctxpool_pip_args
+    --source ${PROJECT_SOURCE_DIR}
+    --work ${CMAKE_CURRENT_BINARY_DIR}/torch_pip_install
+    --version ${PROJECT_VERSION}
+    --cmake-arg=-DCMAKE_C_COMPILER=${CMAKE_C_COMPILER}
+    --cmake-arg=-DCMAKE_CXX_COMPILER=${CMAKE_CXX_COMPILER})
+  if(CMAKE_CXX_COMPILER_LAUNCHER)
+    list(APPEND _ctxpool_pip_args
+      --cmake-arg=-DCMAKE_C_COMPILER_LAUNCHER=${CMAKE_C_COMPILER_LAUNCHER}
+      --cmake-arg=-DCMAKE_CXX_COMPILER_LAUNCHER=${CMAKE_CXX_COMPILER_LAUNCHER})
+  endif()
+  add_test(NAME torch_pip_install
+    COMMAND ${Python3_EXECUTABLE}
+            ${CMAKE_CURRENT_SOURCE_DIR}/torch_pip_install_test.py
+            ${_ctxpool_pip_args})
+  set_tests_properties(torch_pip_install PROPERTIES
+    LABELS "slow;python" TIMEOUT 1500 RUN_SERIAL ON SKIP_RETURN_CODE 77)
 endif()
 
 # ctxpool_torch_allocator.h (the libtorch header), compiled against the

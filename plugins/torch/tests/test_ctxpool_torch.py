@@ -13,10 +13,12 @@ import ctypes
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
 import unittest
+from unittest import mock
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, "..", "python"))
@@ -27,6 +29,9 @@ import ctxpool_torch  # noqa: E402
 
 _HAVE_TORCH = importlib.util.find_spec("torch") is not None
 _LIB = os.environ.get("CTXPOOL_TORCH_LIB")
+_SYSTEM_LIB = any(
+    os.path.isfile(os.path.join(d, ctxpool_torch.LIBRARY_NAME))
+    for d in ("/usr/local/lib", "/usr/lib"))
 
 
 def _torch_cuda_available():
@@ -48,6 +53,80 @@ class ImportTest(unittest.TestCase):
         with self.assertRaises(FileNotFoundError) as cm:
             ctxpool_torch.find_library("/nonexistent/libctxpool_torch.so")
         self.assertIn("/nonexistent", str(cm.exception))
+
+
+class CheckoutFallbackTest(unittest.TestCase):
+    """find_library() in a fake checkout, without CTXPOOL_TORCH_LIB: next to
+    the package, then scripts/test's out/main, the other out/* trees, then
+    build*/; a sanitized tree's library is never chosen."""
+
+    def setUp(self):
+        tmp = tempfile.TemporaryDirectory(prefix="ctxpool-fake-checkout-")
+        self.addCleanup(tmp.cleanup)
+        self.root = tmp.name
+        self.package = os.path.join(self.root, "plugins", "torch", "python",
+                                    "ctxpool_torch")
+        os.makedirs(self.package)
+        with open(os.path.join(self.root, "plugins", "torch",
+                               "CMakeLists.txt"), "w"):
+            pass
+        init = os.path.join(self.package, "__init__.py")
+        shutil.copyfile(ctxpool_torch.__file__, init)
+        spec = importlib.util.spec_from_file_location(
+            "ctxpool_torch_fake_checkout", init)
+        self.module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(self.module)
+        env = mock.patch.dict(os.environ)
+        env.start()
+        self.addCleanup(env.stop)
+        os.environ.pop("CTXPOOL_TORCH_LIB", None)
+
+    def _library(self, build, sanitize=None):
+        """A fake library in root/build (with a CMakeCache.txt that records
+        CTXPOOL_SANITIZE when ``sanitize`` is not None)."""
+        directory = os.path.join(self.root, build, "plugins", "torch")
+        os.makedirs(directory)
+        if sanitize is not None:
+            with open(os.path.join(self.root, build, "CMakeCache.txt"),
+                      "w") as f:
+                f.write("CMAKE_BUILD_TYPE:STRING=Debug\n"
+                        "CTXPOOL_SANITIZE:STRING=%s\n" % sanitize)
+        path = os.path.join(directory, ctxpool_torch.LIBRARY_NAME)
+        with open(path, "w"):
+            pass
+        return path
+
+    def test_out_main_then_other_out_trees_then_build_dirs(self):
+        build = self._library("build")
+        tsa = self._library(os.path.join("out", "clang-tsa"), sanitize="")
+        self._library(os.path.join("out", "asan-ubsan"),
+                      sanitize="address,undefined")
+        main = self._library(os.path.join("out", "main"), sanitize="")
+        self.assertEqual(self.module.find_library(), main)
+        os.remove(main)
+        self.assertEqual(self.module.find_library(), tsa)
+        os.remove(tsa)
+        self.assertEqual(self.module.find_library(), build)
+
+    def test_next_to_the_package_comes_first(self):
+        self._library(os.path.join("out", "main"))
+        beside = os.path.join(self.package, ctxpool_torch.LIBRARY_NAME)
+        with open(beside, "w"):
+            pass
+        self.assertEqual(self.module.find_library(), beside)
+
+    @unittest.skipIf(_SYSTEM_LIB, "a system libctxpool_torch.so is present")
+    def test_sanitized_only_is_not_found_and_the_error_says_how(self):
+        self._library(os.path.join("out", "asan-ubsan"), sanitize="address")
+        os.makedirs(os.path.join(self.root, "out", "main"))
+        with self.assertRaises(FileNotFoundError) as cm:
+            self.module.find_library()
+        text = str(cm.exception)
+        self.assertIn(os.path.join(self.root, "out", "main", "plugins",
+                                   "torch", ctxpool_torch.LIBRARY_NAME), text)
+        self.assertNotIn("asan-ubsan", text)
+        self.assertIn("pip install --no-build-isolation --no-index "
+                      "./plugins/torch/python", text)
 
 
 class InstallWithoutCudaTest(unittest.TestCase):

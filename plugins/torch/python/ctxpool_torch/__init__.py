@@ -5,10 +5,13 @@
     with ctxpool_torch.model("bert"):    # charged to bert's budget
         y = bert(x)
 
-Plain ctypes over libctxpool_torch.so (its C ABI is plugins/torch/ctxpool_torch.h);
-no build step. The library is found, in order: the ``path`` argument,
-$CTXPOOL_TORCH_LIB, next to this package, then the usual build directories of
-the ctxpool checkout this file lives in.
+Plain ctypes over libctxpool_torch.so (its C ABI is plugins/torch/ctxpool_torch.h).
+``pip install --no-build-isolation --no-index ./plugins/torch/python`` (from
+the checkout's root, offline) builds the library with CMake and installs it
+inside the package. The library is found, in order: the ``path`` argument,
+$CTXPOOL_TORCH_LIB, next to this package, then the build directories of the
+ctxpool checkout this file lives in (scripts/test's out/main, the other
+unsanitized out/* trees, then build*/).
 
 Everything except ``install()`` works without torch (on the simulated driver,
 CTXPOOL_DRIVER=sim, for tests and capacity planning).
@@ -56,12 +59,40 @@ _lib_path = None
 _installed = False
 
 
+def _sanitized(build):
+    """True when the CMake tree ``build`` was configured with
+    CTXPOOL_SANITIZE (its library cannot be loaded into a plain python)."""
+    try:
+        with open(os.path.join(build, "CMakeCache.txt")) as f:
+            for line in f:
+                if line.startswith("CTXPOOL_SANITIZE:"):
+                    return bool(line.split("=", 1)[1].strip())
+    except OSError:
+        pass
+    return False
+
+
+def _checkout_builds(root):
+    """The checkout's build trees, most preferred first: scripts/test's
+    out/main, the other out/* trees, then build*/ (not sanitized ones)."""
+    if not os.path.isfile(os.path.join(root, "plugins", "torch",
+                                       "CMakeLists.txt")):
+        return
+    main = os.path.join(root, "out", "main")
+    others = [d for d in sorted(glob.glob(os.path.join(root, "out", "*")))
+              if d != main]
+    builds = sorted(glob.glob(os.path.join(root, "build*")))
+    for build in [main] + others + builds:
+        if os.path.isdir(build) and not _sanitized(build):
+            yield build
+
+
 def _candidates():
     here = os.path.dirname(os.path.abspath(__file__))
     yield os.path.join(here, LIBRARY_NAME)
     # plugins/torch/python/ctxpool_torch -> the checkout's root.
     root = os.path.abspath(os.path.join(here, "..", "..", "..", ".."))
-    for build in sorted(glob.glob(os.path.join(root, "build*"))):
+    for build in _checkout_builds(root):
         yield os.path.join(build, "plugins", "torch", LIBRARY_NAME)
     for prefix in ("/usr/local/lib", "/usr/lib"):
         yield os.path.join(prefix, LIBRARY_NAME)
@@ -85,7 +116,9 @@ def find_library(path=None):
         if os.path.isfile(candidate):
             return candidate
     raise FileNotFoundError(
-        "ctxpool_torch: %s not found; build the target ctxpool_torch and set "
+        "ctxpool_torch: %s not found; install the package with `pip install "
+        "--no-build-isolation --no-index ./plugins/torch/python` (from the "
+        "checkout's root), or build the target ctxpool_torch and set "
         "CTXPOOL_TORCH_LIB to its path (looked in: %s)"
         % (LIBRARY_NAME, ", ".join(tried)))
 
