@@ -67,6 +67,70 @@ TEST_F(InteropTest, MemoryRefRefusesWrongSizeForeignAndDoubleFrees) {
   EXPECT_EQ(Live(), 0);
 }
 
+TEST_F(InteropTest, PlainRefCannotFreeAModelsBlock) {
+  MemoryRef pool(alloc());
+  MemoryRef model(*bert_);
+  DevicePtr a = model.Allocate(4096, s0()).value();
+  const std::int64_t invalid = alloc().Stats().invalid_frees;
+  absl::Status s = pool.Deallocate(a, 4096, s0());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(bert_->Stats().live_allocations, 1);  // still bert's
+  EXPECT_EQ(alloc().Stats().invalid_frees, invalid + 1);
+  EXPECT_EQ(LastFreeError().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(model.Deallocate(a, 4096, s0()).ok());
+}
+
+TEST_F(InteropTest, RefusedSessionFreeNamesTheModel) {
+  MemoryRef model(*bert_);
+  DevicePtr a = model.Allocate(4096, s0()).value();
+  absl::Status s = model.Deallocate(a, 100, s0());
+  EXPECT_NE(s.message().find("model 'bert'"), absl::string_view::npos) << s;
+  EXPECT_EQ(LastFreeError(), s);
+  EXPECT_TRUE(model.Deallocate(a, 4096, s0()).ok());
+}
+
+TEST_F(InteropTest, MaxAlignmentIsWhatEveryBlockHas) {
+  EXPECT_EQ(MemoryRef(alloc()).max_alignment(), 256u);  // round_bytes 512
+  for (std::size_t round : {128u, 4096u}) {
+    DeviceAllocatorOptions o;
+    o.round_bytes = round;
+    auto a = std::move(CachingDeviceAllocator::Create(*sim_, 0, o)).value();
+    MemoryRef ref(*a);
+    EXPECT_EQ(ref.max_alignment(), round < 256 ? round : 256u);
+    // Someone else's small cuMemAlloc moves the next segment's base.
+    DevicePtr other = sim_->MemAlloc(512).value();
+    std::vector<DevicePtr> ps;
+    for (int i = 0; i < 4; ++i) {
+      ps.push_back(ref.Allocate(round, s0()).value());
+      EXPECT_EQ(ps.back().address() % ref.max_alignment(), 0u) << round;
+    }
+    for (DevicePtr p : ps) EXPECT_TRUE(ref.Deallocate(p, round, s0()).ok());
+    ASSERT_TRUE(sim_->MemFree(other).ok());
+  }
+}
+
+TEST_F(InteropTest, OveralignedTypesAreRefusedWhereBlocksAreNotAligned) {
+  struct alignas(256) Wide {
+    char bytes[256];
+  };
+  DeviceAllocatorOptions o;
+  o.round_bytes = 128;  // blocks aligned to 128 only
+  auto a = std::move(CachingDeviceAllocator::Create(*sim_, 0, o)).value();
+  StlAllocator<Wide> wide(MemoryRef(*a), s0());
+  try {
+    (void)wide.allocate(1);
+    ADD_FAILURE() << "no exception";
+  } catch (const BadAlloc& e) {
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(
+      UniqueDevicePtr<Wide>::Create(MemoryRef(*a), 1, s0()).status().code(),
+      absl::StatusCode::kInvalidArgument);
+  // With the default unit the same type is served, aligned.
+  auto p = UniqueDevicePtr<Wide>::Create(MemoryRef(alloc()), 3, s0()).value();
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p.get()) % alignof(Wide), 0u);
+}
+
 // Freed on a stream other than the allocation stream: the block is not
 // reused (even on its own stream) before that stream's work is done. Without
 // FreeCheck::order_after_stream the second Touch below races.

@@ -127,6 +127,24 @@ TEST_F(InteropCubTest, KeptStorageGrowsOnlyWhenACallNeedsMore) {
   EXPECT_EQ(Live(), 0);
 }
 
+// Growth frees the old buffer first: old and new need not fit the model's
+// 8 MiB together.
+TEST_F(InteropCubTest, GrowthUnderTheBudgetNeedsOnlyTheNewSize) {
+  CubTempStorage temp(MemoryRef(*bert_), s());
+  FakeAlgorithm five{sim_.get(), s(), 5 * kMiB};
+  ASSERT_TRUE(temp.Run(five).ok());
+  FakeAlgorithm six{sim_.get(), s(), 6 * kMiB};
+  absl::Status st = temp.Run(six);
+  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_EQ(temp.capacity(), 6 * kMiB);
+  EXPECT_EQ(bert_->Stats().num_budget_rejections, 0);
+  FakeAlgorithm nine{sim_.get(), s(), 9 * kMiB};
+  EXPECT_EQ(temp.Run(nine).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(temp.capacity(), 0u);  // consistent: empty, nothing live
+  EXPECT_EQ(Live(), 0);
+  ASSERT_TRUE(temp.Run(five).ok());  // and usable again
+}
+
 TEST_F(InteropCubTest, IntegralResultTypesWork) {
   int calls = 0;
   auto algo = [&](void* temp, std::size_t& bytes) -> int {

@@ -127,11 +127,11 @@ TEST_F(InteropCudaMrTest, CopiesAreEqualOthersAreNot) {
 
 TEST_F(InteropCudaMrTest, BadAlignmentThrowsInvalidArgument) {
   MemoryResource mr(alloc());
-  EXPECT_EQ(mr.max_alignment(), 512u);
-  void* p = mr.allocate_async(4096, 512, ref(0));
-  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 512, 0u);
-  mr.deallocate_async(p, 4096, 512, ref(0));
-  for (std::size_t align : {0u, 3u, 1024u, 4096u}) {
+  EXPECT_EQ(mr.max_alignment(), 256u);
+  void* p = mr.allocate_async(4096, 256, ref(0));
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 256, 0u);
+  mr.deallocate_async(p, 4096, 256, ref(0));
+  for (std::size_t align : {0u, 3u, 512u, 4096u}) {
     try {
       (void)mr.allocate_async(4096, align, ref(0));
       ADD_FAILURE() << "alignment " << align << " accepted";
@@ -155,6 +155,18 @@ TEST_F(InteropCudaMrTest, RefusedDeallocateIsCountedAndFreesNothing) {
   int x = 0;
   mr.deallocate_async(&x, 4, 256, ref(0));  // a host pointer
   EXPECT_EQ(bert_->Stats().invalid_frees, 2);
+}
+
+TEST_F(InteropCudaMrTest, PlainResourceCannotFreeAModelsBlock) {
+  MemoryResource model(*bert_);
+  MemoryResource pool(alloc());
+  void* p = model.allocate_async(4096, 256, ref(0));
+  pool.deallocate_async(p, 4096, 256, ref(0));
+  EXPECT_EQ(MemoryResource::last_error().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bert_->Stats().live_allocations, 1);
+  model.deallocate_async(p, 4096, 256, ref(0));
+  EXPECT_EQ(Live(), 0);
 }
 
 TEST_F(InteropCudaMrTest, SynchronousCallsWaitForTheSyncStream) {

@@ -200,6 +200,14 @@ class ModelSession {
   // on its stream. INVALID_ARGUMENT (counted) for a pointer this session does
   // not own. Never crashes.
   absl::Status Deallocate(DevicePtr ptr) noexcept;
+  // The sized, two-stream free of adaptors that know both (cuda::mr,
+  // std::allocator, CUB; ctxpool/interop): as Deallocate, but also refuses
+  // (INVALID_ARGUMENT, counted, nothing freed) a block requested with another
+  // size than `requested_bytes`, and orders the free after the work enqueued
+  // on `stream` as well as on the allocation stream (FreeCheck::
+  // order_after_stream). REQUIRES: `stream` is alive (not yet destroyed).
+  absl::Status Deallocate(DevicePtr ptr, std::size_t requested_bytes,
+                          StreamHandle stream) noexcept;
   // As CachingDeviceAllocator::RecordStream, for a block of this session.
   absl::Status RecordStream(DevicePtr ptr, StreamHandle stream);
 
@@ -292,6 +300,19 @@ inline absl::StatusOr<DevicePtr> ModelSession::Allocate(std::size_t bytes,
 
 inline absl::Status ModelSession::Deallocate(DevicePtr ptr) noexcept {
   absl::Status s = allocator_.Deallocate(ptr, FreeCheck{.owner = owner_});
+  if (ABSL_PREDICT_FALSE(!s.ok())) s = DeallocateFailed(s);
+  return s;
+}
+
+inline absl::Status ModelSession::Deallocate(DevicePtr ptr,
+                                             std::size_t requested_bytes,
+                                             StreamHandle stream) noexcept {
+  absl::Status s =
+      allocator_.Deallocate(ptr, FreeCheck{.owner = owner_,
+                                           .check_size = true,
+                                           .requested_bytes = requested_bytes,
+                                           .order_after_stream = true,
+                                           .stream = stream});
   if (ABSL_PREDICT_FALSE(!s.ok())) s = DeallocateFailed(s);
   return s;
 }

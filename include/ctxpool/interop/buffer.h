@@ -165,8 +165,10 @@ class DeviceBuffer {
 
   void Free() noexcept {
     if (!ptr_.is_null()) {
-      // Cannot fail for a block this buffer allocated (it is live, of this
-      // owner and of this size); a failure would be counted by the pool.
+      // The checks cannot refuse a block this buffer allocated (live, of this
+      // owner and size). Ordering after a stream set by set_stream can fail
+      // on a driver error: the block then stays live (the session's Close
+      // reports it) and the error is in LastFreeError().
       mr_->Deallocate(ptr_, capacity_, stream_).IgnoreError();
     }
     ptr_ = DevicePtr();
@@ -188,6 +190,8 @@ class UniqueDevicePtr {
   static_assert(std::is_trivially_copyable_v<T>,
                 "UniqueDevicePtr<T>: device memory is never constructed on "
                 "the host, so T must be trivially copyable");
+  static_assert(alignof(T) <= 256,
+                "UniqueDevicePtr<T>: ctxpool's blocks are aligned to 256 B");
 
  public:
   UniqueDevicePtr() = default;
@@ -200,6 +204,12 @@ class UniqueDevicePtr {
       return absl::InvalidArgumentError(absl::StrFormat(
           "UniqueDevicePtr: %u elements of %u B overflow size_t", count,
           sizeof(T)));
+    }
+    if (alignof(T) > mr.max_alignment()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "UniqueDevicePtr: alignof(T) %u exceeds the allocator's block "
+          "alignment %u",
+          alignof(T), mr.max_alignment()));
     }
     absl::StatusOr<DeviceBuffer> b =
         DeviceBuffer::Create(mr, count * sizeof(T), stream, label);
@@ -239,6 +249,9 @@ class UniqueDevicePtr {
 // takes StlAllocator<char>.
 template <typename T>
 class StlAllocator {
+  static_assert(alignof(T) <= 256,
+                "StlAllocator<T>: ctxpool's blocks are aligned to 256 B");
+
  public:
   using value_type = T;
   using propagate_on_container_move_assignment = std::true_type;
@@ -256,6 +269,12 @@ class StlAllocator {
     if (n > std::numeric_limits<std::size_t>::max() / sizeof(T)) {
       throw BadAlloc(absl::InvalidArgumentError(absl::StrFormat(
           "StlAllocator: %u elements of %u B overflow size_t", n, sizeof(T))));
+    }
+    if (alignof(T) > mr_.max_alignment()) {
+      throw BadAlloc(absl::InvalidArgumentError(absl::StrFormat(
+          "StlAllocator: alignof(T) %u exceeds the allocator's block "
+          "alignment %u",
+          alignof(T), mr_.max_alignment())));
     }
     return static_cast<T*>(
         ValueOrThrow(mr_.Allocate(n * sizeof(T), stream_)).get());

@@ -62,8 +62,10 @@ class CubTempStorage {
   // Frees the buffer, ordered after the work enqueued on stream().
   ~CubTempStorage() { Free(); }
 
-  // Runs `algorithm`'s size query, grows the buffer if needed (one pool
-  // call; the old buffer is freed stream-ordered), then runs it for real.
+  // Runs `algorithm`'s size query, grows the buffer if needed (the old one
+  // is freed first, stream-ordered, so old and new need not fit the model's
+  // budget together; on an error the buffer is then empty), then runs it
+  // for real.
   // Errors: the algorithm's (INTERNAL, see the file comment) or the pool's
   // (RESOURCE_EXHAUSTED with the OOM report, the model's budget).
   template <typename Algorithm>
@@ -73,9 +75,9 @@ class CubTempStorage {
         cub_internal::ToStatus(algorithm(nullptr, need), "size query");
     if (!s.ok()) return s;
     if (ptr_.is_null() || need > bytes_) {
+      Free();
       absl::StatusOr<DevicePtr> p = mr_.Allocate(need, stream_, label_);
       if (!p.ok()) return std::move(p).status();
-      Free();
       ptr_ = *p;
       bytes_ = need;
     }

@@ -38,13 +38,17 @@
 // interop::BadAlloc (a std::bad_alloc; what() is ctxpool's message, for an
 // out-of-memory the full OomReport, for a model the budget it hit) and
 // status() the Status. An alignment that is not a power of two or exceeds
-// max_alignment() (the allocator's 512 B unit) throws BadAlloc with
-// INVALID_ARGUMENT. deallocate* is noexcept: a free ctxpool refuses (foreign
-// pointer, double free, wrong size, another model's block) frees nothing and
-// is counted in invalid_frees (the session's or the device allocator's
-// Stats); last_error() keeps its Status for the thread that saw it.
+// max_alignment() (256 B; see MemoryRef::max_alignment) throws BadAlloc with
+// INVALID_ARGUMENT (so a resource over an allocator with round_bytes 128
+// refuses the default 256). deallocate* is noexcept: a free ctxpool refuses
+// (foreign pointer, double free, wrong size, another model's block, a model's
+// block through a plain resource) frees nothing and is counted in
+// invalid_frees (the session's or the device allocator's Stats; see
+// memory_ref.h for a free after Close); last_error() keeps its Status for the
+// thread that saw it. The stream a deallocation names must be alive.
 //
-// Cost: a copy is three pointers; equality is identity (the same allocator
+// Cost: a copy is 32 bytes (two pointers, the owner id, the sync stream);
+// equality is identity (the same allocator
 // and the same owner); a stream-ordered allocate/deallocate pair is the
 // session's (or allocator's) pair plus a branch — no heap allocation, no
 // driver call once warm.
@@ -183,8 +187,8 @@ class MemoryResource {
   std::size_t max_alignment() const noexcept { return ref_.max_alignment(); }
 
   // The last refused deallocation on this thread (OK if none), for
-  // diagnostics: deallocate is noexcept.
-  static const absl::Status& last_error() noexcept { return LastError(); }
+  // diagnostics: deallocate is noexcept. (interop::LastFreeError.)
+  static const absl::Status& last_error() noexcept { return LastFreeError(); }
 
  private:
   void* Allocate(std::size_t bytes, std::size_t alignment,
@@ -200,8 +204,7 @@ class MemoryResource {
     return ValueOrThrow(ref_.Allocate(bytes, stream)).get();
   }
   void Deallocate(void* ptr, std::size_t bytes, StreamHandle stream) noexcept {
-    absl::Status s = ref_.Deallocate(DevicePtr::From(ptr), bytes, stream);
-    if (ABSL_PREDICT_FALSE(!s.ok())) LastError() = std::move(s);
+    ref_.Deallocate(DevicePtr::From(ptr), bytes, stream).IgnoreError();
   }
   absl::Status SyncStream() const {
     CachingDeviceAllocator& a = ref_.allocator();
@@ -209,11 +212,6 @@ class MemoryResource {
     if (!ctx.status().ok()) return ctx.status();
     return a.driver().StreamSynchronize(sync_stream_);
   }
-  static absl::Status& LastError() noexcept {
-    thread_local absl::Status last;
-    return last;
-  }
-
   MemoryRef ref_;
   StreamHandle sync_stream_;
 };

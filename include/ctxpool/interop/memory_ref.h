@@ -14,13 +14,21 @@
 //   bert.Deallocate(p, 4096, s).IgnoreError();
 //
 // Deallocate checks what the adaptors know and a caller can get wrong: the
-// block must be the owner's and have been requested with `bytes` (as
+// block must be the owner's (a plain ref's: a block of no owner, so it
+// cannot free a model's memory) and have been requested with `bytes` (as
 // PyTorch's free does); a refused free frees nothing, returns
-// INVALID_ARGUMENT and is counted (the session's or the allocator's
-// invalid_frees). `stream` orders the free after that stream's work as well
-// as after the allocation stream's (FreeCheck::order_after_stream), so
-// memory allocated on one stream and last used on another is safe to free
-// there. One critical section in the pool either way.
+// INVALID_ARGUMENT naming the model and is counted (the session's or the
+// allocator's invalid_frees; after the session's Close its figures are
+// final and a late free is refused uncounted). `stream` orders the free
+// after that stream's work as well as after the allocation stream's
+// (FreeCheck::order_after_stream), so memory allocated on one stream and
+// last used on another is safe to free there; it must be alive (not yet
+// destroyed) at the free. One critical section in the pool either way.
+//
+// Adaptors whose free cannot return a Status (destructors, noexcept
+// deallocate) keep the last failure of the calling thread in
+// LastFreeError(). A free that fails on a driver error (ordering after the
+// other stream) leaves the block live: the session's Close reports it.
 //
 // The adaptors whose interface has no Status channel (cuda::mr resources,
 // StlAllocator) throw BadAlloc, a std::bad_alloc whose what() is ctxpool's
@@ -61,6 +69,12 @@ class BadAlloc : public std::bad_alloc {
   std::shared_ptr<const std::string> what_;
 };
 
+// The calling thread's last failed adaptor free (OK if none).
+inline absl::Status& LastFreeError() noexcept {
+  thread_local absl::Status last;
+  return last;
+}
+
 // Throws BadAlloc for a failed allocation; returns the pointer otherwise.
 inline DevicePtr ValueOrThrow(absl::StatusOr<DevicePtr> p) {
   if (ABSL_PREDICT_FALSE(!p.ok())) throw BadAlloc(std::move(p).status());
@@ -92,19 +106,26 @@ class MemoryRef {
   // allocation stream and on `stream` (see the file comment).
   absl::Status Deallocate(DevicePtr ptr, std::size_t bytes,
                           StreamHandle stream) const noexcept {
-    return allocator_->Deallocate(
-        ptr, FreeCheck{.owner = session_ != nullptr ? owner_ : kAnyOwner,
-                       .check_size = true,
-                       .requested_bytes = bytes,
-                       .order_after_stream = true,
-                       .stream = stream});
+    absl::Status s =
+        session_ != nullptr
+            ? session_->Deallocate(ptr, bytes, stream)
+            : allocator_->Deallocate(ptr, FreeCheck{.owner = kNoOwner,
+                                                    .check_size = true,
+                                                    .requested_bytes = bytes,
+                                                    .order_after_stream = true,
+                                                    .stream = stream});
+    if (ABSL_PREDICT_FALSE(!s.ok())) LastFreeError() = s;
+    return s;
   }
 
-  // The largest alignment every block has: the allocator's rounding unit
-  // (at least the 256 B that CUDA's own allocations guarantee).
+  // The alignment every block has: a block starts at a multiple of the
+  // allocator's rounding unit from its segment's base, and a base is aligned
+  // to at least the 256 B that cuMemAlloc guarantees. So: the largest power
+  // of two dividing round_bytes, at most 256.
   std::size_t max_alignment() const noexcept {
     const std::size_t unit = allocator_->options().round_bytes;
-    return unit < 256 ? 256 : unit;
+    const std::size_t pow2 = unit & (~unit + 1);
+    return pow2 == 0 || pow2 > 256 ? 256 : pow2;
   }
 
   CachingDeviceAllocator& allocator() const noexcept { return *allocator_; }
