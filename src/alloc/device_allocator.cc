@@ -1306,7 +1306,10 @@ class CachingDeviceAllocator::Impl {
   void CountInvalidFree(OwnerId owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (owner == kAnyOwner || owner == kNoOwner) {
       ++invalid_frees_;
-    } else if (OwnerRec* o = FindOwner(owner)) {
+    } else if (OwnerRec* o = FindOwner(owner); o != nullptr && !o->closed) {
+      // A closed owner's figures are final: a free that lost the race with
+      // CloseOwner (the block was reclaimed) counts nowhere, as one after
+      // UnregisterOwner does.
       ++o->invalid_frees;
     }
   }
