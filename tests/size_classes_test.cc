@@ -16,6 +16,26 @@ TEST(SizeClasses, RoundsTo512AndZeroToOneUnit) {
   EXPECT_EQ(c.Round(kMiB + 1), kMiB + 512);
 }
 
+// Round and SegmentBytes use a mask for their power-of-two units: the same
+// results as the division for every unit the allocator's options accept.
+TEST(SizeClasses, MaskRoundingEqualsDivision) {
+  for (std::size_t unit : {1u, 2u, 256u, 512u, 4096u, 1u << 21}) {
+    SizeClassConfig config;
+    config.round_bytes = unit;
+    SizeClasses c{config};
+    for (std::size_t n :
+         {std::size_t{1}, unit - 1, unit, unit + 1, 3 * unit + 7, kMiB - 1,
+          kMiB, kMiB + 1, std::size_t{1} << 40, (std::size_t{1} << 62) + 3}) {
+      if (n == 0) continue;
+      EXPECT_EQ(c.Round(n), SizeClasses::RoundUp(n, unit)) << unit << " " << n;
+    }
+  }
+  SizeClasses c{SizeClassConfig{}};
+  for (std::size_t r = 10 * kMiB; r < 80 * kMiB; r += 512 * 37) {
+    EXPECT_EQ(c.SegmentBytes(r), SizeClasses::RoundUp(r, 2 * kMiB)) << r;
+  }
+}
+
 TEST(SizeClasses, PoolsAndSegmentSizesFollowPyTorch) {
   SizeClasses c{SizeClassConfig{}};
   EXPECT_TRUE(c.IsSmall(kMiB));

@@ -54,7 +54,7 @@ class SizeClasses {
   // REQUIRES: bytes <= max() − round_bytes (callers reject larger ones).
   std::size_t Round(std::size_t bytes) const {
     if (bytes == 0) return c_.round_bytes;
-    return RoundUp(bytes, c_.round_bytes);
+    return RoundUpPow2(bytes, c_.round_bytes);  // a mask: no division
   }
   // Whether a rounded size belongs to the small pool.
   bool IsSmall(std::size_t rounded) const {
@@ -67,7 +67,7 @@ class SizeClasses {
         rounded <= c_.large_segment_bytes) {
       return c_.large_segment_bytes;
     }
-    return RoundUp(rounded, c_.large_round_bytes);
+    return RoundUpPow2(rounded, c_.large_round_bytes);
   }
   // Whether a free block of `block_size` may serve a rounded request
   // (max_split_size rules; size is checked by the caller).
@@ -95,6 +95,11 @@ class SizeClasses {
 
   static constexpr std::size_t RoundUp(std::size_t n, std::size_t to) {
     return (n + to - 1) / to * to;
+  }
+  // RoundUp for a power of two `to` (the config's units; the allocator's
+  // options check them).
+  static constexpr std::size_t RoundUpPow2(std::size_t n, std::size_t to) {
+    return (n + to - 1) & ~(to - 1);
   }
 
  private:
