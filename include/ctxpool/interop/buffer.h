@@ -205,11 +205,9 @@ class UniqueDevicePtr {
           "UniqueDevicePtr: %u elements of %u B overflow size_t", count,
           sizeof(T)));
     }
-    if (alignof(T) > mr.max_alignment()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "UniqueDevicePtr: alignof(T) %u exceeds the allocator's block "
-          "alignment %u",
-          alignof(T), mr.max_alignment()));
+    if (absl::Status s = mr.CheckAlignment(alignof(T), "UniqueDevicePtr");
+        !s.ok()) {
+      return s;
     }
     absl::StatusOr<DeviceBuffer> b =
         DeviceBuffer::Create(mr, count * sizeof(T), stream, label);
@@ -270,11 +268,9 @@ class StlAllocator {
       throw BadAlloc(absl::InvalidArgumentError(absl::StrFormat(
           "StlAllocator: %u elements of %u B overflow size_t", n, sizeof(T))));
     }
-    if (alignof(T) > mr_.max_alignment()) {
-      throw BadAlloc(absl::InvalidArgumentError(absl::StrFormat(
-          "StlAllocator: alignof(T) %u exceeds the allocator's block "
-          "alignment %u",
-          alignof(T), mr_.max_alignment())));
+    if (absl::Status s = mr_.CheckAlignment(alignof(T), "StlAllocator");
+        !s.ok()) {
+      throw BadAlloc(std::move(s));
     }
     return static_cast<T*>(
         ValueOrThrow(mr_.Allocate(n * sizeof(T), stream_)).get());

@@ -47,7 +47,7 @@
 // memory_ref.h for a free after Close); last_error() keeps its Status for the
 // thread that saw it. The stream a deallocation names must be alive.
 //
-// Cost: a copy is 32 bytes (two pointers, the owner id, the sync stream);
+// Cost: a copy is 24 bytes (two pointers and the sync stream);
 // equality is identity (the same allocator
 // and the same owner); a stream-ordered allocate/deallocate pair is the
 // session's (or allocator's) pair plus a branch — no heap allocation, no
@@ -193,14 +193,8 @@ class MemoryResource {
  private:
   void* Allocate(std::size_t bytes, std::size_t alignment,
                  StreamHandle stream) {
-    if (ABSL_PREDICT_FALSE(alignment == 0 ||
-                           (alignment & (alignment - 1)) != 0 ||
-                           alignment > ref_.max_alignment())) {
-      throw BadAlloc(absl::InvalidArgumentError(absl::StrFormat(
-          "ctxpool MemoryResource: alignment %u is not a power of two up to "
-          "%u (ctxpool's block alignment)",
-          alignment, ref_.max_alignment())));
-    }
+    absl::Status aligned = ref_.CheckAlignment(alignment, "MemoryResource");
+    if (ABSL_PREDICT_FALSE(!aligned.ok())) throw BadAlloc(std::move(aligned));
     return ValueOrThrow(ref_.Allocate(bytes, stream)).get();
   }
   void Deallocate(void* ptr, std::size_t bytes, StreamHandle stream) noexcept {

@@ -46,6 +46,7 @@
 #include "absl/base/optimization.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/context/device_context.h"
 #include "ctxpool/context/model_session.h"
@@ -90,9 +91,7 @@ class MemoryRef {
   // the ref and every block allocated through it is freed before Close (a
   // block still live at Close is reported as a leak and reclaimed).
   explicit MemoryRef(ModelSession& session) noexcept
-      : allocator_(&session.device().device_allocator()),
-        session_(&session),
-        owner_(session.owner()) {}
+      : allocator_(&session.device().device_allocator()), session_(&session) {}
 
   // As CachingDeviceAllocator::Allocate / ModelSession::Allocate (whose
   // errors name the model). `label`: null or a string that outlives the block.
@@ -119,27 +118,39 @@ class MemoryRef {
   }
 
   // The alignment every block has: a block starts at a multiple of the
-  // allocator's rounding unit from its segment's base, and a base is aligned
-  // to at least the 256 B that cuMemAlloc guarantees. So: the largest power
-  // of two dividing round_bytes, at most 256.
+  // allocator's rounding unit (a power of two: its options check it) from its
+  // segment's base, and a base is aligned to at least the 256 B that
+  // cuMemAlloc guarantees. So: round_bytes, at most 256.
   std::size_t max_alignment() const noexcept {
     const std::size_t unit = allocator_->options().round_bytes;
-    const std::size_t pow2 = unit & (~unit + 1);
-    return pow2 == 0 || pow2 > 256 ? 256 : pow2;
+    return unit < 256 ? unit : 256;
+  }
+  // OK when every block satisfies `alignment`: a power of two up to
+  // max_alignment(). INVALID_ARGUMENT naming `who` otherwise.
+  absl::Status CheckAlignment(std::size_t alignment, const char* who) const {
+    if (ABSL_PREDICT_TRUE(alignment != 0 &&
+                          (alignment & (alignment - 1)) == 0 &&
+                          alignment <= max_alignment())) {
+      return absl::OkStatus();
+    }
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: alignment %u is not a power of two up to %u (ctxpool's block "
+        "alignment)",
+        who, alignment, max_alignment()));
   }
 
   CachingDeviceAllocator& allocator() const noexcept { return *allocator_; }
   // The session, or null for a plain ref.
   ModelSession* session() const noexcept { return session_; }
 
+  // The same allocator and the same session (one owner each), or both plain.
   friend bool operator==(const MemoryRef& a, const MemoryRef& b) noexcept {
-    return a.allocator_ == b.allocator_ && a.owner_ == b.owner_;
+    return a.allocator_ == b.allocator_ && a.session_ == b.session_;
   }
 
  private:
   CachingDeviceAllocator* allocator_;
   ModelSession* session_ = nullptr;
-  OwnerId owner_ = kNoOwner;
 };
 
 }  // namespace ctxpool::interop
