@@ -15,9 +15,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "gmock/gmock.h"
@@ -464,6 +466,64 @@ TEST(SvgTest, PanelsSideBySideAndEmptyInputsStayWellFormed) {
   EXPECT_EQ((*bare_root)->ByClass("plot").size(), 1u);
   EXPECT_THAT((*bare_root)->ByClass("legend")[0]->AllText(),
               testing::HasSubstr("(none)"));
+}
+
+// Stacked plots: each solid series is an area on top of the ones before it,
+// sharing its lower edge with the previous top; dashed series stay lines.
+TEST(SvgTest, StackedAreasSitOnTopOfEachOther) {
+  SvgPlot p;
+  p.title = "memory";
+  p.x_label = "event (#)";
+  p.y_label = "GiB";
+  p.y_max = 4;
+  p.stacked = true;
+  p.series.push_back({"bert", {{0, 1}, {10, 1}}});
+  p.series.push_back({"llama", {{0, 2}, {10, 2}}});
+  SvgSeries cap{"capacity", {{0, 4}, {10, 4}}};
+  cap.dashed = true;
+  p.series.push_back(cap);
+  const std::string svg = RenderMemoryMapSvg({}, {p});
+  absl::StatusOr<std::unique_ptr<XmlNode>> root = ParseXml(svg);
+  ASSERT_TRUE(root.ok()) << root.status() << "\n" << svg;
+  const std::vector<const XmlNode*> areas = (*root)->ByClass("stacked-area");
+  ASSERT_EQ(areas.size(), 2u);
+  // The y of each "x,y" point of a path.
+  auto ys = [](const XmlNode* n) {
+    std::vector<double> out;
+    for (absl::string_view pt :
+         absl::StrSplit(n->attrs.at("d"), ' ', absl::SkipEmpty())) {
+      const std::size_t comma = pt.find(',');
+      if (comma == absl::string_view::npos) continue;
+      double y = 0;
+      EXPECT_TRUE(
+          absl::SimpleAtod(absl::StripSuffix(pt.substr(comma + 1), "Z"), &y))
+          << pt;
+      out.push_back(y);
+    }
+    return out;
+  };
+  const std::vector<double> bert = ys(areas[0]), llama = ys(areas[1]);
+  ASSERT_EQ(bert.size(), 4u);
+  ASSERT_EQ(llama.size(), 4u);
+  // bert: its top (y of 1) then the axis (y of 0); llama: its top (y of 3)
+  // then bert's top. SVG y grows downwards.
+  const double zero = bert[2], one = bert[0], three = llama[0];
+  EXPECT_GT(zero, one);
+  EXPECT_GT(one, three);
+  EXPECT_DOUBLE_EQ(llama[2], one);
+  EXPECT_NEAR((zero - one) * 3, zero - three, 0.2);
+  EXPECT_EQ(areas[0]->attrs.at("data-name"), "bert");
+  EXPECT_EQ(areas[1]->attrs.at("data-name"), "llama");
+  // The capacity line is a plain dashed series, not an area.
+  int lines = 0;
+  for (const XmlNode* n : (*root)->ByClass("series")) {
+    if (n->attrs.at("data-name") == "capacity") {
+      ++lines;
+      EXPECT_TRUE(n->attrs.contains("stroke-dasharray"));
+      EXPECT_EQ(n->attrs.at("fill"), "none");
+    }
+  }
+  EXPECT_EQ(lines, 1);
 }
 
 }  // namespace

@@ -314,8 +314,25 @@ void DrawPlot(std::string& out, const SvgPlot& plot, const Box& box,
   const double bottom = box.y + box.h - 62;
   double x_min = 0, x_max = 0, y_max = plot.y_max;
   bool any = false;
-  for (const SvgSeries& s : plot.series) {
-    for (const auto& [x, y] : s.points) {
+  // Stacked plots: the top of each solid series, point by point.
+  std::vector<std::vector<std::pair<double, double>>> tops;
+  if (plot.stacked) {
+    std::vector<std::pair<double, double>> sum;
+    for (const SvgSeries& s : plot.series) {
+      if (s.dashed) continue;
+      if (sum.size() < s.points.size()) {
+        for (std::size_t k = sum.size(); k < s.points.size(); ++k) {
+          sum.emplace_back(s.points[k].first, 0.0);
+        }
+      }
+      for (std::size_t k = 0; k < s.points.size(); ++k) {
+        sum[k].second += std::max(0.0, s.points[k].second);
+      }
+      tops.push_back(sum);
+    }
+  }
+  auto extend = [&](const std::vector<std::pair<double, double>>& points) {
+    for (const auto& [x, y] : points) {
       if (!any) {
         x_min = x_max = x;
         any = true;
@@ -324,6 +341,10 @@ void DrawPlot(std::string& out, const SvgPlot& plot, const Box& box,
       x_max = std::max(x_max, x);
       if (plot.y_max <= 0) y_max = std::max(y_max, y);
     }
+  };
+  for (const auto& top : tops) extend(top);
+  for (const SvgSeries& s : plot.series) {
+    if (!plot.stacked || s.dashed) extend(s.points);
   }
   if (x_max <= x_min) x_max = x_min + 1;
   const double y_step = NiceStep(y_max > 0 ? y_max : 1, 5);
@@ -376,8 +397,51 @@ void DrawPlot(std::string& out, const SvgPlot& plot, const Box& box,
   for (const SvgSeries& s : plot.series) order.push_back(&s);
   std::stable_partition(order.begin(), order.end(),
                         [](const SvgSeries* s) { return !s->dashed; });
+  // A swatch (a line: 4 px high; an area: 8 px) and the name.
+  auto key = [&](const std::string& name, const std::string& color,
+                 int height) {
+    absl::StrAppendFormat(&out,
+                          "<rect x=\"%.1f\" y=\"%.1f\" width=\"14\" "
+                          "height=\"%d\" fill=\"%s\"/>",
+                          key_x, bottom + 50 - 2 - height, height, color);
+    Text(out, key_x + 18, bottom + 50, name, 11);
+    key_x += 30 + 7.0 * static_cast<double>(name.size());
+  };
+  Palette area_palette;
+  std::size_t area = 0;
   for (const SvgSeries* sp : order) {
     const SvgSeries& s = *sp;
+    if (plot.stacked && !s.dashed) {
+      // The area between the previous top and this one.
+      const std::string& color = area_palette.Color(s.name);
+      const auto& top = tops[area];
+      std::string d;
+      for (const auto& [x, y] : top) {
+        absl::StrAppendFormat(&d, "%s%.1f,%.1f ", d.empty() ? "M" : "L", px(x),
+                              py(std::min(y, y_max)));
+      }
+      if (area == 0) {
+        for (auto it = top.rbegin(); it != top.rend(); ++it) {
+          absl::StrAppendFormat(&d, "L%.1f,%.1f ", px(it->first), py(0));
+        }
+      } else {
+        const auto& below = tops[area - 1];
+        for (std::size_t k = top.size(); k-- > 0;) {
+          const double y = k < below.size() ? below[k].second : 0.0;
+          absl::StrAppendFormat(&d, "L%.1f,%.1f ", px(top[k].first),
+                                py(std::min(y, y_max)));
+        }
+      }
+      ++area;
+      absl::StrAppendFormat(
+          &out,
+          "<path class=\"series stacked-area\" data-name=\"%s\" d=\"%sZ\" "
+          "fill=\"%s\" fill-opacity=\"0.85\" stroke=\"%s\" "
+          "stroke-width=\"0.5\"/>\n",
+          XmlEscape(s.name), d, color, color);
+      key(s.name, color, 8);
+      continue;
+    }
     const std::string& color = series_palette.Color(s.name);
     std::string d;
     for (const auto& [x, y] : s.points) {
@@ -390,12 +454,7 @@ void DrawPlot(std::string& out, const SvgPlot& plot, const Box& box,
         "fill=\"none\" stroke=\"%s\" stroke-width=\"2\"%s/>\n",
         XmlEscape(s.name), d, color,
         s.dashed ? " stroke-dasharray=\"6,4\"" : "");
-    absl::StrAppendFormat(&out,
-                          "<rect x=\"%.1f\" y=\"%.1f\" width=\"14\" "
-                          "height=\"4\" fill=\"%s\"/>",
-                          key_x, bottom + 44, color);
-    Text(out, key_x + 18, bottom + 50, s.name, 11);
-    key_x += 30 + 7.0 * static_cast<double>(s.name.size());
+    key(s.name, color, 4);
   }
   out += "</g>\n";
 }

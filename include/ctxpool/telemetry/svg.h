@@ -69,6 +69,12 @@ struct SvgPlot {
   // The y axis spans [0, y_max]; 0: the largest y rounded up.
   double y_max = 0;
   std::vector<SvgSeries> series;
+  // Stacked: the solid series are filled areas, each on top of the ones
+  // before it (the k-th point of every solid series shares one x; a series
+  // with fewer points counts 0 where it has none), coloured by the model
+  // palette; dashed series stay lines (a capacity line). Class
+  // "stacked-area" on each area.
+  bool stacked = false;
 };
 
 struct SvgOptions {
