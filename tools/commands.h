@@ -34,6 +34,9 @@
     "show the build, the CUDA driver, the devices (or the simulated "        \
     "fallback)",                                                             \
     RunInfo)                                                                 \
+  X("plan",                                                                  \
+    "will these models fit on one GPU: replicas, budgets, today vs ctxpool", \
+    RunPlan)                                                                 \
   X("replay", "replay an allocation trace on a simulated device or the GPU", \
     RunReplay)                                                               \
   X("report", "summarise an allocation trace as a table", RunReport)

@@ -54,6 +54,7 @@
 #include "ctxpool/trace/trace.h"
 #include "ctxpool/trace/workloads.h"
 #include "tools/commands.h"
+#include "tools/server_modes.h"
 
 namespace ctxpool::tool {
 namespace {
@@ -159,399 +160,42 @@ int ParseArgs(int argc, char** argv, Args* a) {
   return 0;
 }
 
-// ---- Measurements ----------------------------------------------------------
-
-struct Sample {
-  std::size_t event = 0;
-  std::uint64_t live = 0;      // the trace's live bytes (requested)
-  std::uint64_t reserved = 0;  // allocators' reserved bytes
-  double external = 0;         // 1 − largest free / free, all caches
-};
-
-struct ModeResult {
-  std::string mode;
-  std::string description;
-  int contexts = 0;
-  std::uint64_t context_bytes = 0;
-  std::uint64_t peak_reserved = 0;
-  std::uint64_t reserved_after_unload = 0;
-  std::int64_t ooms = 0;
-  std::int64_t budget_rejections = 0;
-  std::int64_t trims = 0;
-  std::int64_t loads = 0;
-  std::int64_t failed_loads = 0;  // no context / session could be created
-  std::int64_t upstream_allocs = 0;
-  double mean_fragmentation = 0;
-  double max_fragmentation = 0;
-  std::vector<Sample> samples;
-  MemoryMapPanel panel;
-};
-
-// What a mode does with the trace's events.
-class Mode {
- public:
-  virtual ~Mode() = default;
-  virtual absl::Status Load(std::uint32_t tenant, const std::string& name,
-                            std::uint64_t peak_bytes) = 0;
-  virtual absl::StatusOr<DevicePtr> Allocate(std::uint32_t tenant,
-                                             std::uint64_t bytes) = 0;
-  virtual absl::Status Free(std::uint32_t tenant, DevicePtr ptr) = 0;
-  virtual absl::Status Unload(std::uint32_t tenant) = 0;
-  // Reserved bytes, cached free bytes and the largest free block.
-  struct Memory {
-    std::uint64_t reserved = 0;
-    std::uint64_t free = 0;
-    std::uint64_t largest_free = 0;
-  };
-  virtual Memory Measure() const = 0;
-  virtual MemoryMapPanel Snapshot() const = 0;
-  // Fills contexts, context bytes, trims, budget rejections, upstream.
-  virtual void Finish(ModeResult* r) const = 0;
-};
-
 std::string ModelName(std::uint32_t tenant) {
   return absl::StrCat("model", tenant);
 }
 
-// ---- today: a context and an allocator per model ---------------------------
-
-class TodayMode final : public Mode {
- public:
-  explicit TodayMode(Driver& driver) : driver_(driver) {}
-  ~TodayMode() override {
-    for (auto& [tenant, m] : models_) {
-      m.allocator.reset();
-      if (driver_.CtxPushCurrent(m.context).ok()) {
-        (void)driver_.StreamDestroy(m.stream);
-        (void)driver_.CtxPopCurrent();
-      }
-      (void)driver_.CtxDestroy(m.context);
-    }
-  }
-
-  absl::Status Load(std::uint32_t tenant, const std::string& name,
-                    std::uint64_t) override {
-    if (models_.contains(tenant)) return absl::OkStatus();  // cache kept
-    PerModel m;
-    m.name = name;
-    // The context's cost: free memory before and after cuCtxCreate.
-    std::uint64_t before = 0;
-    if (models_.empty()) {
-      CTXPOOL_ASSIGN_OR_RETURN(before, driver_.DeviceTotalMem(0));
-    } else {
-      CTXPOOL_RETURN_IF_ERROR(
-          driver_.CtxPushCurrent(models_.begin()->second.context));
-      absl::StatusOr<MemInfo> info = driver_.MemGetInfo();
-      (void)driver_.CtxPopCurrent();
-      if (!info.ok()) return info.status();
-      before = info->free_bytes;
-    }
-    CTXPOOL_ASSIGN_OR_RETURN(m.context, driver_.CtxCreate(0, 0));
-    absl::StatusOr<MemInfo> after = driver_.MemGetInfo();
-    absl::StatusOr<StreamHandle> stream =
-        driver_.StreamCreate(kStreamNonBlocking, 0);
-    (void)driver_.CtxPopCurrent();
-    if (!after.ok() || !stream.ok()) {
-      (void)driver_.CtxDestroy(m.context);
-      return !after.ok() ? after.status() : stream.status();
-    }
-    m.stream = *stream;
-    context_bytes_ +=
-        before > after->free_bytes ? before - after->free_bytes : 0;
-    DeviceAllocatorOptions options;
-    options.context = m.context;
-    absl::StatusOr<std::unique_ptr<CachingDeviceAllocator>> alloc =
-        CachingDeviceAllocator::Create(driver_, 0, options);
-    if (!alloc.ok()) {
-      (void)driver_.CtxDestroy(m.context);
-      return alloc.status();
-    }
-    m.allocator = std::move(alloc).value();
-    models_.emplace(tenant, std::move(m));
-    return absl::OkStatus();
-  }
-
-  absl::StatusOr<DevicePtr> Allocate(std::uint32_t tenant,
-                                     std::uint64_t bytes) override {
-    PerModel& m = models_.at(tenant);
-    return m.allocator->Allocate(bytes, m.stream);
-  }
-  absl::Status Free(std::uint32_t tenant, DevicePtr ptr) override {
-    return models_.at(tenant).allocator->Deallocate(ptr);
-  }
-  // The framework instance stays: its context and cache are kept.
-  absl::Status Unload(std::uint32_t) override { return absl::OkStatus(); }
-
-  Memory Measure() const override {
-    Memory mem;
-    for (const auto& [tenant, m] : models_) {
-      const DeviceAllocatorStats s = m.allocator->Stats();
-      const FragmentationStats f = m.allocator->Fragmentation();
-      mem.reserved += static_cast<std::uint64_t>(
-          s.total.reserved_bytes[StatIndex(StatPool::kAggregate)].current);
-      mem.free += f.free_bytes;
-      mem.largest_free =
-          std::max<std::uint64_t>(mem.largest_free, f.largest_free_bytes);
-    }
-    return mem;
-  }
-
-  MemoryMapPanel Snapshot() const override {
-    MemoryMapPanel p;
-    for (const auto& [tenant, m] : SortedModels()) {
-      AllocatorSnapshot s = m->allocator->Snapshot();
-      for (SegmentInfo& seg : s.segments) {
-        p.snapshot.segments.push_back(std::move(seg));
-      }
-      p.stream_models.emplace_back(m->stream, m->name);
-    }
-    std::sort(p.snapshot.segments.begin(), p.snapshot.segments.end(),
-              [](const SegmentInfo& a, const SegmentInfo& b) {
-                return a.base < b.base;
-              });
-    return p;
-  }
-
-  void Finish(ModeResult* r) const override {
-    r->contexts = static_cast<int>(models_.size());
-    r->context_bytes = context_bytes_;
-    for (const auto& [tenant, m] : models_) {
-      const DeviceAllocatorStats s = m.allocator->Stats();
-      r->trims += s.num_trims;
-      r->upstream_allocs += s.upstream_allocs;
-    }
-  }
-
- private:
-  struct PerModel {
-    std::string name;
-    ContextHandle context;
-    StreamHandle stream;
-    std::unique_ptr<CachingDeviceAllocator> allocator;
-  };
-  std::vector<std::pair<std::uint32_t, const PerModel*>> SortedModels() const {
-    std::vector<std::pair<std::uint32_t, const PerModel*>> v;
-    for (const auto& [tenant, m] : models_) v.emplace_back(tenant, &m);
-    std::sort(v.begin(), v.end());
-    return v;
-  }
-
-  Driver& driver_;
-  absl::flat_hash_map<std::uint32_t, PerModel> models_;
-  std::uint64_t context_bytes_ = 0;
-};
-
-// ---- ctxpool: one context, sessions, budgets, trim -------------------------
-
-class CtxpoolMode final : public Mode {
- public:
-  explicit CtxpoolMode(DeviceContext& device) : device_(device) {}
-  ~CtxpoolMode() override {
-    for (auto& [tenant, s] : sessions_) (void)s->Close();
-  }
-
-  absl::Status Load(std::uint32_t tenant, const std::string& name,
-                    std::uint64_t peak_bytes) override {
-    if (sessions_.contains(tenant)) return absl::OkStatus();
-    SessionOptions options;
-    options.streams = 1;
-    // A budget of 1.25x the model's peak, rounded up to 256 MiB.
-    const std::uint64_t unit = 256ull << 20;
-    options.max_bytes = static_cast<std::size_t>(
-        (peak_bytes + peak_bytes / 4 + unit - 1) / unit * unit);
-    CTXPOOL_ASSIGN_OR_RETURN(std::unique_ptr<ModelSession> session,
-                             device_.OpenSession(name, options));
-    sessions_.emplace(tenant, std::move(session));
-    return absl::OkStatus();
-  }
-  absl::StatusOr<DevicePtr> Allocate(std::uint32_t tenant,
-                                     std::uint64_t bytes) override {
-    ModelSession& s = *sessions_.at(tenant);
-    return s.Allocate(bytes, s.stream(0));
-  }
-  absl::Status Free(std::uint32_t tenant, DevicePtr ptr) override {
-    return sessions_.at(tenant)->Deallocate(ptr);
-  }
-  absl::Status Unload(std::uint32_t tenant) override {
-    auto it = sessions_.find(tenant);
-    if (it == sessions_.end()) return absl::OkStatus();
-    const SessionStats stats = it->second->Stats();
-    budget_rejections_ += stats.num_budget_rejections;
-    absl::Status closed = it->second->Close();
-    sessions_.erase(it);
-    CTXPOOL_RETURN_IF_ERROR(closed);
-    // Give the unloaded model's memory back to the device now.
-    return device_.device_allocator().Trim(0).status();
-  }
-
-  Memory Measure() const override {
-    const DeviceAllocatorStats s = device_.device_allocator().Stats();
-    const FragmentationStats f = device_.device_allocator().Fragmentation();
-    return {
-        static_cast<std::uint64_t>(
-            s.total.reserved_bytes[StatIndex(StatPool::kAggregate)].current),
-        f.free_bytes, f.largest_free_bytes};
-  }
-
-  MemoryMapPanel Snapshot() const override {
-    MemoryMapPanel p;
-    p.snapshot = device_.device_allocator().Snapshot();
-    std::vector<std::uint32_t> tenants;
-    for (const auto& [tenant, s] : sessions_) tenants.push_back(tenant);
-    std::sort(tenants.begin(), tenants.end());
-    for (std::uint32_t t : tenants) {
-      const ModelSession& s = *sessions_.at(t);
-      p.stream_models.emplace_back(s.stream(0), s.name());
-      for (const LiveAllocation& a : s.LiveAllocations()) {
-        p.block_models.emplace_back(a.ptr, s.name());
-      }
-    }
-    return p;
-  }
-
-  void Finish(ModeResult* r) const override {
-    r->contexts = 1;
-    r->context_bytes = device_.initial_context_report().context_bytes;
-    const DeviceAllocatorStats s = device_.device_allocator().Stats();
-    r->trims = s.num_trims;
-    r->upstream_allocs = s.upstream_allocs;
-    r->budget_rejections = budget_rejections_;
-    for (const auto& [tenant, session] : sessions_) {
-      r->budget_rejections += session->Stats().num_budget_rejections;
-    }
-  }
-
- private:
-  DeviceContext& device_;
-  absl::flat_hash_map<std::uint32_t, std::unique_ptr<ModelSession>> sessions_;
-  std::int64_t budget_rejections_ = 0;
-};
-
-// ---- The replay loop shared by both modes ----------------------------------
-
+// Where the trace's live bytes peak, and each model's peak.
 struct TraceFacts {
   absl::flat_hash_map<std::uint32_t, std::uint64_t> tenant_peak;
-  std::size_t snapshot_event = 0;  // where the trace's live bytes peak
-  std::uint64_t peak_live = 0;
+  std::size_t snapshot_event = 0;
 };
 
 TraceFacts Study(const Trace& trace) {
   TraceFacts f;
-  absl::flat_hash_map<std::uint64_t, std::pair<std::uint32_t, std::uint64_t>>
-      live;
-  absl::flat_hash_map<std::uint32_t, std::uint64_t> tenant_live;
-  std::uint64_t total = 0;
-  for (std::size_t i = 0; i < trace.size(); ++i) {
-    const TraceEvent& e = trace.events()[i];
-    if (e.op == TraceOp::kAlloc) {
-      live[e.ptr] = {e.tenant, e.size};
-      total += e.size;
-      std::uint64_t& t = tenant_live[e.tenant];
-      t += e.size;
-      f.tenant_peak[e.tenant] = std::max(f.tenant_peak[e.tenant], t);
-      if (total > f.peak_live) {
-        f.peak_live = total;
-        f.snapshot_event = i;
-      }
-    } else if (e.op == TraceOp::kFree) {
-      auto it = live.find(e.ptr);
-      if (it == live.end()) continue;
-      total -= it->second.second;
-      tenant_live[it->second.first] -= it->second.second;
-      live.erase(it);
-    }
-  }
+  f.tenant_peak = TenantPeaks(trace);
+  f.snapshot_event = static_cast<std::size_t>(Summarize(trace).peak_live_event);
   return f;
 }
 
-absl::StatusOr<ModeResult> RunMode(
-    Mode& mode, const Trace& trace, const TraceFacts& facts,
-    const std::string& label,
-    const std::function<void(std::size_t, std::size_t)>& progress) {
-  ModeResult r;
-  r.mode = label;
-  struct Live {
-    std::uint32_t tenant = 0;
-    std::uint64_t size = 0;
-    DevicePtr ptr;  // null when the allocation failed
+// The demo's sessions get a budget of 1.25x the model's peak, rounded up to
+// 256 MiB.
+RunOptions DemoRun(const TraceFacts& facts, const std::string& label,
+                   std::function<void(std::size_t, std::size_t)> progress) {
+  RunOptions o;
+  o.label = label;
+  o.snapshot_event = facts.snapshot_event;
+  o.progress = std::move(progress);
+  o.spec = [&facts](std::uint32_t tenant) {
+    LoadSpec spec;
+    spec.name = ModelName(tenant);
+    const auto it = facts.tenant_peak.find(tenant);
+    const std::uint64_t peak = it == facts.tenant_peak.end() ? 0 : it->second;
+    const std::uint64_t unit = 256ull << 20;
+    spec.session.max_bytes =
+        static_cast<std::size_t>((peak + peak / 4 + unit - 1) / unit * unit);
+    return spec;
   };
-  absl::flat_hash_map<std::uint64_t, Live> live;
-  absl::flat_hash_map<std::uint32_t, std::int64_t> tenant_count;
-  absl::flat_hash_map<std::uint32_t, bool> loaded;
-  std::uint64_t live_bytes = 0;
-  const std::size_t n = trace.size();
-  const std::size_t sample_every = std::max<std::size_t>(1, n / 300);
-  const std::size_t progress_every = std::max<std::size_t>(1000, n / 50);
-  double frag_sum = 0;
-  auto sample = [&](std::size_t i) {
-    const Mode::Memory m = mode.Measure();
-    Sample s;
-    s.event = i;
-    s.live = live_bytes;
-    s.reserved = m.reserved;
-    s.external = m.free == 0 ? 0.0
-                             : 1.0 - static_cast<double>(m.largest_free) /
-                                         static_cast<double>(m.free);
-    frag_sum += s.external;
-    r.max_fragmentation = std::max(r.max_fragmentation, s.external);
-    r.samples.push_back(s);
-  };
-  for (std::size_t i = 0; i < n; ++i) {
-    const TraceEvent& e = trace.events()[i];
-    if (e.op == TraceOp::kAlloc) {
-      if (tenant_count[e.tenant]++ == 0) {
-        ++r.loads;
-        const auto peak = facts.tenant_peak.find(e.tenant);
-        absl::Status s =
-            mode.Load(e.tenant, ModelName(e.tenant),
-                      peak == facts.tenant_peak.end() ? 0 : peak->second);
-        if (!s.ok() && s.code() != absl::StatusCode::kResourceExhausted) {
-          return s;
-        }
-        // A model whose context or session cannot be created does not load:
-        // each of its allocations counts as an OOM.
-        if (!s.ok()) ++r.failed_loads;
-        loaded[e.tenant] = s.ok();
-      }
-      absl::StatusOr<DevicePtr> p =
-          loaded[e.tenant]
-              ? mode.Allocate(e.tenant, e.size)
-              : absl::StatusOr<DevicePtr>(
-                    absl::ResourceExhaustedError("model not loaded"));
-      if (!p.ok() &&
-          p.status().code() != absl::StatusCode::kResourceExhausted) {
-        return p.status();
-      }
-      if (!p.ok()) ++r.ooms;
-      live[e.ptr] = {e.tenant, e.size, p.ok() ? *p : DevicePtr()};
-      live_bytes += e.size;
-    } else if (e.op == TraceOp::kFree) {
-      auto it = live.find(e.ptr);
-      if (it == live.end()) continue;
-      const Live l = it->second;
-      live.erase(it);
-      live_bytes -= l.size;
-      if (!l.ptr.is_null()) CTXPOOL_RETURN_IF_ERROR(mode.Free(l.tenant, l.ptr));
-      if (--tenant_count[l.tenant] == 0 && loaded[l.tenant]) {
-        CTXPOOL_RETURN_IF_ERROR(mode.Unload(l.tenant));
-      }
-    }
-    const std::uint64_t reserved = mode.Measure().reserved;
-    r.peak_reserved = std::max(r.peak_reserved, reserved);
-    if (i == facts.snapshot_event) {
-      r.panel = mode.Snapshot();
-      r.panel.caption =
-          absl::StrFormat("at event %d (peak live): reserved %s, live %s", i,
-                          FormatBytes(reserved), FormatBytes(live_bytes));
-    }
-    if (i % sample_every == 0 || i + 1 == n) sample(i);
-    if (progress && (i % progress_every == 0 || i + 1 == n)) progress(i + 1, n);
-  }
-  r.reserved_after_unload = mode.Measure().reserved;
-  r.mean_fragmentation =
-      r.samples.empty() ? 0 : frag_sum / static_cast<double>(r.samples.size());
-  mode.Finish(&r);
-  return r;
+  return o;
 }
 
 // ---- Output ----------------------------------------------------------------
@@ -705,7 +349,7 @@ int RunDemo(int argc, char** argv) {
     absl::StatusOr<ModeResult> r;
     {
       TodayMode today(**driver);
-      r = RunMode(today, trace, facts, "today", progress_for("today"));
+      r = RunMode(today, trace, DemoRun(facts, "today", progress_for("today")));
     }
     if (!r.ok()) {
       std::fprintf(stderr, "ctxpool demo: today: %s\n",
@@ -736,7 +380,8 @@ int RunDemo(int argc, char** argv) {
     absl::StatusOr<ModeResult> r;
     {
       CtxpoolMode pooled(*(*rt)->device(0).value());
-      r = RunMode(pooled, trace, facts, "ctxpool", progress_for("ctxpool"));
+      r = RunMode(pooled, trace,
+                  DemoRun(facts, "ctxpool", progress_for("ctxpool")));
     }
     if (!r.ok()) {
       std::fprintf(stderr, "ctxpool demo: ctxpool: %s\n",

@@ -949,6 +949,13 @@ class CachingDeviceAllocator::Impl {
     return s;
   }
 
+  std::size_t PhysicalBytes() const ABSL_LOCKS_EXCLUDED(mu_) {
+    core_internal::SpinLockHolder lock(&mu_);
+    return static_cast<std::size_t>(
+               total_.reserved_bytes[StatIndex(StatPool::kAggregate)].current) +
+           CacheBytes();
+  }
+
   FragmentationStats Fragmentation() const ABSL_LOCKS_EXCLUDED(mu_) {
     core_internal::SpinLockHolder lock(&mu_);
     FragmentationInputs in;
@@ -3283,6 +3290,9 @@ absl::Status CachingDeviceAllocator::Reset(bool force) {
 }
 DeviceAllocatorStats CachingDeviceAllocator::Stats() const {
   return impl_->Stats();
+}
+std::size_t CachingDeviceAllocator::PhysicalBytes() const {
+  return impl_->PhysicalBytes();
 }
 FragmentationStats CachingDeviceAllocator::Fragmentation() const {
   return impl_->Fragmentation();

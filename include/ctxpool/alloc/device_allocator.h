@@ -565,6 +565,12 @@ class CachingDeviceAllocator {
   DeviceAllocatorStats Stats() const;
   FragmentationStats Fragmentation() const;
   AllocatorSnapshot Snapshot() const;
+  // The device memory the allocator holds now: reserved bytes (classic:
+  // segments; expandable: mapped granules) plus the granule cache. O(1), one
+  // short critical section: for a caller that polls after every operation
+  // (a planner tracking a device's peak), where Stats() would copy every
+  // stream's counters.
+  std::size_t PhysicalBytes() const;
   // The live block that starts at `ptr`, or NOT_FOUND.
   absl::StatusOr<BlockInfo> Lookup(DevicePtr ptr) const;
   // Sets every peak to its current value.
