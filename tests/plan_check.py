@@ -80,6 +80,12 @@ def quick(tool):
         (["--model", "a=workload:mixed", "--schedule", "churn",
           "--max-replicas"], "--max-replicas needs"),
         (["--model", "a=workload:mixed", "--max-replicas=b"], "no such"),
+        (["--model", "a=workload:mixed,replicas=2", "--schedule",
+          "churn:resident=3"], "more than the plan's 2"),
+        # Under churn only the resident replicas' min count at once.
+        (["--device", "a10-24gb", "--model",
+          "a=workload:mixed,replicas=3,min=10GiB", "--schedule",
+          "churn:resident=3"], "min sum"),
     ]
     for args, text in bad:
         p = run(tool, args, want_rc=2)
@@ -133,6 +139,13 @@ def quick(tool):
                   (schedule, name))
         check(text.count("stacked-area") >= 8,
               "%s: the SVG's models are stacked areas" % schedule)
+    # Three replicas with min 10 GiB on a 24 GB card: refused together
+    # (above), accepted when two are resident at once.
+    j = plan_json(tool, ["--device", "a10-24gb", "--schedule",
+                         "churn:resident=2", "--model",
+                         "a=workload:mixed:ops=2000,max_live_bytes=1GiB,"
+                         "replicas=3,min=10GiB"])
+    check(mode(j, "ctxpool")["fits"], "churn: resident replicas' min fits")
     # A tenant over its max fails in ctxpool mode only.
     j = plan_json(tool, ["--device", "a10-24gb", "--model",
                          "llm=workload:llm-serving:requests=16,weights_bytes=2GiB,max=1GiB"])

@@ -56,7 +56,8 @@
 // --gpu replays the plan once on the real GPU (no search, no suggestion).
 // Exit status: 0 when the plan ran (not fitting is a result), 1 when it could
 // not run, 2 on bad input (unknown preset, missing trace, replicas 0, budgets
-// whose min sum exceeds the device).
+// whose min sum exceeds the device: every replica's min when all run at
+// once, the resident replicas' under churn).
 #include <unistd.h>
 
 #include <algorithm>
@@ -364,6 +365,16 @@ int ParseArgs(int argc, char** argv, Args* a) {
                                      ": no such --model"));
     }
   }
+  if (a->schedule.churn) {
+    int replicas = 0;
+    for (const ModelArg& m : a->models) replicas += m.replicas;
+    if (a->schedule.resident > replicas) {
+      return UsageError(absl::StrFormat(
+          "--schedule churn: resident=%d is more than the plan's %d "
+          "replica(s)",
+          a->schedule.resident, replicas));
+    }
+  }
   if (a->max_replicas && a->schedule.churn) {
     return UsageError(
         "--max-replicas needs --schedule concurrent: under churn at most "
@@ -449,6 +460,38 @@ struct Plan {
   // Per model: budget of its sessions (nullopt fields: none).
   std::vector<SessionOptions> budgets;
 };
+
+// The most the budgets' min can protect at once: the sum over every replica
+// when all run together; under churn, the largest sum over the `resident`
+// replicas loaded in one period (the same groups Merge loads). Saturates.
+std::uint64_t MinSumAtOnce(const std::vector<ModelArg>& models,
+                           const Plan& plan, const Schedule& schedule) {
+  std::vector<std::uint64_t> mins;  // per tenant, in Merge's order
+  for (std::size_t m = 0; m < models.size(); ++m) {
+    const std::uint64_t min = plan.budgets[m].min_bytes.value_or(0);
+    mins.insert(mins.end(), static_cast<std::size_t>(plan.replicas[m]), min);
+  }
+  const auto add = [](std::uint64_t a, std::uint64_t b) {
+    return a > UINT64_MAX - b ? UINT64_MAX : a + b;
+  };
+  if (!schedule.churn || mins.empty()) {
+    std::uint64_t sum = 0;
+    for (std::uint64_t v : mins) sum = add(sum, v);
+    return sum;
+  }
+  const std::size_t n = mins.size();
+  const std::size_t k = std::min<std::size_t>(schedule.resident, n);
+  const std::size_t instances = n * static_cast<std::size_t>(schedule.cycles);
+  std::uint64_t most = 0;
+  for (std::size_t start = 0; start < instances; start += k) {
+    std::uint64_t sum = 0;
+    for (std::size_t j = start; j < std::min(start + k, instances); ++j) {
+      sum = add(sum, mins[j % n]);
+    }
+    most = std::max(most, sum);
+  }
+  return most;
+}
 
 struct Merged {
   Trace trace;
@@ -824,9 +867,9 @@ absl::StatusOr<Suggestions> SuggestBudgets(
     b.high_bytes = s.high;
     b.max_bytes = s.max;
     suggested.budgets[m] = b;
-    out.min_sum += s.min * static_cast<std::uint64_t>(base.replicas[m]);
     out.models.push_back(s);
   }
+  out.min_sum = MinSumAtOnce(models, suggested, schedule);
   RunWhat what;
   what.today = false;
   CTXPOOL_ASSIGN_OR_RETURN(out.verified, RunPlan(models, suggested, schedule,
@@ -1019,7 +1062,6 @@ int RunPlan(int argc, char** argv) {
     if (!set.ok()) return UsageError(std::string(set.message()));
   }
   Plan plan;
-  std::uint64_t min_sum = 0;
   for (const ModelArg& m : a.models) {
     plan.replicas.push_back(m.replicas);
     SessionOptions b;
@@ -1027,8 +1069,8 @@ int RunPlan(int argc, char** argv) {
     b.high_bytes = m.high.value_or(0);
     b.max_bytes = m.max.value_or(0);
     plan.budgets.push_back(b);
-    min_sum += m.min.value_or(0) * static_cast<std::uint64_t>(m.replicas);
   }
+  const std::uint64_t min_sum = MinSumAtOnce(a.models, plan, a.schedule);
   if (!a.gpu && min_sum > device.spec.capacity_bytes) {
     return UsageError(absl::StrFormat(
         "the budgets' min sum to %s, more than the device's %s",
