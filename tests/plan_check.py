@@ -139,6 +139,21 @@ def quick(tool):
                   (schedule, name))
         check(text.count("stacked-area") >= 8,
               "%s: the SVG's models are stacked areas" % schedule)
+    # Staggered replicas do not peak together: three LLM servers that do
+    # not fit a 24 GB card in phase fit it out of phase.
+    llm3 = ["--device", "a10-24gb", "--model",
+            "llm=workload:llm-serving:requests=16,weights_bytes=2GiB,replicas=3"]
+    in_phase = plan_json(tool, llm3)
+    staggered = plan_json(tool, llm3 + ["--schedule", "staggered"])
+    check(staggered["schedule"] == "staggered", "staggered echoed")
+    check(staggered["events"] == in_phase["events"],
+          "staggered replays the same events")
+    check(staggered["peak_live_bytes"] < in_phase["peak_live_bytes"],
+          "staggered: peak live %d below in phase %d" %
+          (staggered["peak_live_bytes"], in_phase["peak_live_bytes"]))
+    check(not mode(in_phase, "ctxpool")["fits"] and
+          mode(staggered, "ctxpool")["fits"],
+          "three LLM replicas fit 24 GB staggered, not in phase")
     # Three replicas with min 10 GiB on a 24 GB card: refused together
     # (above), accepted when two are resident at once.
     j = plan_json(tool, ["--device", "a10-24gb", "--schedule",

@@ -19,6 +19,8 @@
 //     request rate, one pass per period, and the replicas' events are
 //     interleaved by that common time. Replicas of a model run in phase, so
 //     their peaks coincide: the plan is for the worst case.
+//   * staggered: as concurrent, but replica r of a model's R starts r/R of a
+//     period late (requests out of phase: the replicas' peaks spread).
 //   * churn[:resident=K,cycles=C]: load / serve / unload, as workload:churn.
 //     The replicas take turns, K loaded at once, C rounds: each load runs one
 //     pass of its trace, then the replica is unloaded (what it holds is
@@ -111,7 +113,8 @@ void PrintPlanUsage(std::FILE* out) {
       "usage: ctxpool plan [--device PRESET] [--capacity SIZE] "
       "--model NAME=TRACE[,replicas=N][,min=SIZE][,high=SIZE][,max=SIZE] "
       "...\n"
-      "                    [--schedule concurrent|churn[:resident=K,cycles=C]] "
+      "                    [--schedule concurrent|staggered|churn[:resident=K,"
+      "cycles=C]]\n                    "
       "[--config K=V,...]\n"
       "                    [--max-replicas[=NAME]] [--suggest-budgets] "
       "[--svg FILE] [--json] [--gpu]\n\n"
@@ -134,10 +137,12 @@ void PrintPlanUsage(std::FILE* out) {
       "512MiB)\n"
       "  --schedule S        concurrent (default: every replica runs its "
       "trace once, in phase,\n"
-      "                      scaled to one common period) or "
-      "churn[:resident=K,cycles=C]\n"
-      "                      (replicas take turns: K loaded at once, C rounds "
-      "of load/serve/unload)\n"
+      "                      scaled to one common period),\n"
+      "                      staggered (the same, replica r of R starting r/R "
+      "of a period late)\n"
+      "                      or churn[:resident=K,cycles=C] (replicas take "
+      "turns: K loaded at\n"
+      "                      once, C rounds of load/serve/unload)\n"
       "  --config K=V,...    ctxpool's allocator options, as `ctxpool replay "
       "--config`\n"
       "  --max-replicas[=NAME]  the most replicas of each model (or NAME) "
@@ -173,12 +178,16 @@ struct ModelArg {
 
 struct Schedule {
   bool churn = false;
+  // Concurrent only: replica r of R starts r/R of a period late, so the
+  // replicas of a model do not peak together.
+  bool staggered = false;
   int resident = 1;
   int cycles = 1;
   std::string ToString() const {
-    return churn ? absl::StrFormat("churn:resident=%d,cycles=%d", resident,
-                                   cycles)
-                 : "concurrent";
+    if (churn) {
+      return absl::StrFormat("churn:resident=%d,cycles=%d", resident, cycles);
+    }
+    return staggered ? "staggered" : "concurrent";
   }
 };
 
@@ -300,9 +309,11 @@ int ParseArgs(int argc, char** argv, Args* a) {
     } else if (arg == "--schedule") {
       const char* v = value();
       const absl::string_view s = v == nullptr ? "" : v;
-      if (s == "concurrent") {
+      if (s == "concurrent" || s == "staggered") {
         a->schedule = {};
+        a->schedule.staggered = s == "staggered";
       } else if (s == "churn" || absl::StartsWith(s, "churn:")) {
+        a->schedule = {};
         a->schedule.churn = true;
         a->schedule.resident = 1;
         a->schedule.cycles = 2;
@@ -323,9 +334,9 @@ int ParseArgs(int argc, char** argv, Args* a) {
           }
         }
       } else {
-        return UsageError(
-            absl::StrCat("bad --schedule '", s,
-                         "': concurrent or churn[:resident=K,cycles=C]"));
+        return UsageError(absl::StrCat("bad --schedule '", s,
+                                       "': concurrent, staggered or "
+                                       "churn[:resident=K,cycles=C]"));
       }
     } else if (arg == "--config") {
       const char* v = value();
@@ -377,7 +388,8 @@ int ParseArgs(int argc, char** argv, Args* a) {
   }
   if (a->max_replicas && a->schedule.churn) {
     return UsageError(
-        "--max-replicas needs --schedule concurrent: under churn at most "
+        "--max-replicas needs --schedule concurrent or staggered: under "
+        "churn at most "
         "resident=K replicas are loaded at once, whatever their number");
   }
   if (a->gpu && (a->max_replicas || a->suggest)) {
@@ -537,11 +549,16 @@ Merged Merge(const std::vector<ModelArg>& models, const Plan& plan,
   items.reserve(total);
   for (std::uint32_t k = 0; k < instances.size(); ++k) {
     const auto [tenant, period] = instances[k];
-    const ModelArg& m = models[out.tenants[tenant - 1].model];
+    const Replica& replica = out.tenants[tenant - 1];
+    const ModelArg& m = models[replica.model];
+    const double offset =
+        schedule.staggered
+            ? static_cast<double>(replica.index) / plan.replicas[replica.model]
+            : 0.0;
     for (std::uint32_t i = 0; i < m.trace.size(); ++i) {
       const TraceOp op = m.trace.events()[i].op;
       if (op != TraceOp::kAlloc && op != TraceOp::kFree) continue;
-      items.push_back({period + m.phase[i], k, i});
+      items.push_back({period + offset + m.phase[i], k, i});
     }
     if (schedule.churn) items.push_back({period + 1.0, k, UINT32_MAX});
   }
