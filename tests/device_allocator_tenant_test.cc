@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "ctxpool/alloc/device_allocator.h"
@@ -201,6 +202,57 @@ TEST_P(TenantTest, UnregisterFreesTheNameAndNeedsNoBoundStream) {
   ASSERT_TRUE(alloc_->BindStream(a1_, again).ok());
   Free(Alloc(1 * kMiB, a1_));
   EXPECT_GT(Stats(again).mapped_bytes, 0u);
+}
+
+// Streams moving between many tenants: each tenant's figures are the sums
+// over the streams bound to it now (the per-tenant stream lists, I14, which
+// TearDown's CheckInvariants verifies).
+TEST_P(TenantTest, ManyTenantsCountTheirOwnStreamsAsTheyMove) {
+  Init(1024 * kMiB);  // classic: a 20 MiB segment per stream
+  constexpr int kTenants = 12;
+  std::vector<TenantId> tenants;
+  std::vector<StreamHandle> streams;
+  for (int i = 0; i < kTenants; ++i) {
+    tenants.push_back(Register("t" + std::to_string(i), Budget{}));
+    for (int k = 0; k < 2; ++k) {
+      streams.push_back(*sim_->StreamCreate(kStreamNonBlocking, 0));
+      ASSERT_TRUE(alloc_->BindStream(streams.back(), tenants.back()).ok());
+    }
+  }
+  std::vector<DevicePtr> held;
+  for (StreamHandle s : streams) held.push_back(Alloc(3 * kMiB, s));
+  // Move the first stream of every even tenant to the next tenant.
+  for (int i = 0; i < kTenants; i += 2) {
+    ASSERT_TRUE(alloc_->UnbindStream(streams[2 * i]).ok());
+    ASSERT_TRUE(alloc_->BindStream(streams[2 * i], tenants[i + 1]).ok());
+  }
+  std::size_t mapped_sum = 0;
+  for (int i = 0; i < kTenants; ++i) {
+    const TenantStats st = Stats(tenants[i]);
+    const int bound = i % 2 == 0 ? 1 : 3;
+    EXPECT_EQ(st.num_streams, bound) << st.name;
+    EXPECT_EQ(st.live_bytes, bound * 3 * kMiB) << st.name;
+    std::size_t reserved = 0;
+    for (int k = 0; k < 2 * kTenants; ++k) {
+      const int owner = k / 2;
+      const int now = (owner % 2 == 0 && k % 2 == 0) ? owner + 1 : owner;
+      if (now == i) reserved += StreamReserved(streams[k]);
+    }
+    EXPECT_EQ(st.mapped_bytes, reserved) << st.name;
+    // The budget path counts the same bytes (SetBudget reports what the
+    // tenant holds after trimming to its max; no max here: nothing moves).
+    absl::StatusOr<TrimResult> set = alloc_->SetBudget(tenants[i], Budget{});
+    ASSERT_TRUE(set.ok()) << set.status();
+    EXPECT_EQ(set->remaining_bytes, reserved) << st.name;
+    mapped_sum += st.mapped_bytes;
+  }
+  ASSERT_TRUE(alloc_->CheckInvariants().ok()) << alloc_->CheckInvariants();
+  EXPECT_EQ(mapped_sum + Stats(kDefaultTenant).mapped_bytes,
+            static_cast<std::size_t>(
+                alloc_->Stats().total.reserved_bytes[0].current));
+  for (DevicePtr p : held) Free(p);
+  for (StreamHandle s : streams) ASSERT_TRUE(alloc_->UnbindStream(s).ok());
+  for (TenantId t : tenants) EXPECT_TRUE(alloc_->UnregisterTenant(t).ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Backings, TenantTest, test::kBothBackings,

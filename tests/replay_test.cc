@@ -285,6 +285,13 @@ TEST(ParseAllocatorConfig, SetsKnownKeysAndRejectsOthers) {
               HasSubstr("bad size 'lots'"));
   EXPECT_THAT(ParseAllocatorConfig("backing=magic", &o).message(),
               HasSubstr("classic, expandable or auto"));
+  // Values the allocator would refuse are refused here, as bad input.
+  DeviceAllocatorOptions fresh;
+  EXPECT_THAT(ParseAllocatorConfig("round_bytes=3", &fresh).message(),
+              HasSubstr("powers of two"));
+  fresh = {};
+  EXPECT_THAT(ParseAllocatorConfig("small_segment_bytes=1", &fresh).message(),
+              HasSubstr("inconsistent segment sizes"));
   ASSERT_TRUE(ParseAllocatorConfig("backing=auto,memory_limit=1GiB", &o).ok());
   EXPECT_EQ(o.backing, BackingMode::kAuto);
   EXPECT_EQ(o.memory_limit_bytes, 1u << 30);

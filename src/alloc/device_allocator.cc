@@ -52,6 +52,7 @@
 //   I13 an owner's live charge and live count equal the sums over the
 //       allocated blocks tagged with it, never above its max; only
 //       registered owners tag blocks.
+//   I14 every stream is in exactly one tenant's stream list, its own.
 //
 // Hot path: Allocate looks up the stream's free index (one LowerBound), and
 // TakeBlock unlinks the block (and links a split remainder), inserts into
@@ -174,6 +175,10 @@ struct DeviceSegment : Segment {
 struct Tenant {
   std::string name;
   Budget budget;
+  // The streams bound to it (every stream is some tenant's: unbound ones
+  // the default's), so that the per-tenant sums the reclaim and budget
+  // paths take cost O(the tenant's streams), not O(every stream).
+  std::vector<StreamState*> streams;
   std::size_t peak = 0;
   std::size_t reclaimed_from = 0;
   std::size_t reclaimed_by = 0;
@@ -264,7 +269,9 @@ SizeClassConfig ToSizeConfig(const DeviceAllocatorOptions& o) {
 
 bool IsPowerOfTwo(std::size_t n) { return n != 0 && (n & (n - 1)) == 0; }
 
-absl::Status ValidateOptions(const DeviceAllocatorOptions& o) {
+}  // namespace
+
+absl::Status ValidateDeviceAllocatorOptions(const DeviceAllocatorOptions& o) {
   if (!IsPowerOfTwo(o.round_bytes) || !IsPowerOfTwo(o.large_round_bytes)) {
     return absl::InvalidArgumentError(
         "round_bytes and large_round_bytes must be powers of two");
@@ -283,8 +290,6 @@ absl::Status ValidateOptions(const DeviceAllocatorOptions& o) {
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 std::string OomReport::ToString() const {
   if (tenant_limit) {
@@ -736,12 +741,11 @@ class CachingDeviceAllocator::Impl {
       return absl::InvalidArgumentError(absl::StrFormat(
           "UnregisterTenant: unknown or default tenant %d", tenant));
     }
-    for (const auto& [stream, ss] : streams_) {
-      if (ss->tenant == tenant) {
-        return absl::FailedPreconditionError(absl::StrFormat(
-            "UnregisterTenant: tenant '%s' still has stream 0x%x bound",
-            tenants_[tenant]->name, stream));
-      }
+    if (const std::vector<StreamState*>& bound = tenants_[tenant]->streams;
+        !bound.empty()) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "UnregisterTenant: tenant '%s' still has stream 0x%x bound",
+          tenants_[tenant]->name, bound.front()->stream));
     }
     tenants_[tenant]->registered = false;
     return absl::OkStatus();
@@ -759,7 +763,7 @@ class CachingDeviceAllocator::Impl {
     // What the stream holds (live blocks, e.g. a slab another component
     // keeps on it, and cached memory) now counts against the default tenant.
     NotePeak(ss->tenant);
-    ss->tenant = kDefaultTenant;
+    SetTenant(ss, kDefaultTenant);
     bound_.erase(stream.value());
     return absl::OkStatus();
   }
@@ -777,7 +781,7 @@ class CachingDeviceAllocator::Impl {
       return absl::InvalidArgumentError(absl::StrFormat(
           "BindStream: stream 0x%x is already bound", stream.value()));
     }
-    GetStream(stream.value())->tenant = tenant;
+    SetTenant(GetStream(stream.value()), tenant);
     return absl::OkStatus();
   }
 
@@ -1050,6 +1054,7 @@ class CachingDeviceAllocator::Impl {
       if (it == streams_.end()) {
         it = streams_.emplace(stream, std::make_unique<StreamState>(stream))
                  .first;
+        tenants_[kDefaultTenant]->streams.push_back(it->second.get());
       }
       ss = it->second.get();
       last_stream_ = ss;
@@ -1118,6 +1123,7 @@ class CachingDeviceAllocator::Impl {
                .emplace(stream.value(),
                         std::make_unique<StreamState>(stream.value()))
                .first;
+      tenants_[kDefaultTenant]->streams.push_back(it->second.get());
     }
     StreamState* ss = it->second.get();
     if (ss->retired || ss->destroyed) return absl::OkStatus();
@@ -2083,27 +2089,32 @@ class CachingDeviceAllocator::Impl {
   std::size_t TenantMapped(TenantId t) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::size_t n = 0;
-    for (const auto& [stream, ss] : streams_) {
-      if (ss->tenant == t) n += Current(ss->stats.reserved_bytes);
+    for (const StreamState* ss : tenants_[t]->streams) {
+      n += Current(ss->stats.reserved_bytes);
     }
     return n;
   }
   std::size_t TenantLive(TenantId t) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::size_t n = 0;
-    for (const auto& [stream, ss] : streams_) {
-      if (ss->tenant == t) n += Current(ss->stats.allocated_bytes);
+    for (const StreamState* ss : tenants_[t]->streams) {
+      n += Current(ss->stats.allocated_bytes);
     }
     return n;
   }
   // The tenant's streams, by handle (deterministic order).
   std::vector<StreamState*> TenantStreams(TenantId t) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    std::vector<StreamState*> v;
-    for (const auto& [stream, ss] : streams_) {
-      if (ss->tenant == t) v.push_back(ss.get());
-    }
+    std::vector<StreamState*> v = tenants_[t]->streams;
     SortByStream(&v);
     return v;
+  }
+  // Moves `ss` from its tenant's stream list to `t`'s.
+  void SetTenant(StreamState* ss, TenantId t)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<StreamState*>& from = tenants_[ss->tenant]->streams;
+    from.erase(std::find(from.begin(), from.end(), ss));
+    tenants_[t]->streams.push_back(ss);
+    ss->tenant = t;
   }
   void NotePeak(TenantId t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Tenant& tn = *tenants_[t];
@@ -3153,6 +3164,26 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
       }
     }
   }
+  // I14: the tenants' stream lists partition the streams by ss->tenant.
+  {
+    absl::flat_hash_set<const StreamState*> listed;
+    for (std::size_t t = 0; t < tenants_.size(); ++t) {
+      for (const StreamState* ss : tenants_[t]->streams) {
+        if (!listed.insert(ss).second || ss->tenant != t ||
+            !streams_.contains(ss->stream) ||
+            streams_.at(ss->stream).get() != ss) {
+          return absl::InternalError(absl::StrFormat(
+              "I14: stream 0x%x is listed under tenant %d, bound to %d",
+              ss->stream, t, ss->tenant));
+        }
+      }
+    }
+    if (listed.size() != streams_.size()) {
+      return absl::InternalError(
+          absl::StrFormat("I14: %d streams listed under tenants, %d known",
+                          listed.size(), streams_.size()));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -3161,7 +3192,7 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
 absl::StatusOr<std::unique_ptr<CachingDeviceAllocator>>
 CachingDeviceAllocator::Create(Driver& driver, int device,
                                DeviceAllocatorOptions options) {
-  CTXPOOL_RETURN_IF_ERROR(ValidateOptions(options));
+  CTXPOOL_RETURN_IF_ERROR(ValidateDeviceAllocatorOptions(options));
   CTXPOOL_ASSIGN_OR_RETURN(std::size_t total, driver.DeviceTotalMem(device));
   if (options.backing == BackingMode::kAuto) {
     absl::StatusOr<int> vmm = driver.DeviceGetAttribute(

@@ -597,6 +597,11 @@ absl::Status ParseAllocatorConfig(absl::string_view text,
     }
     *field = static_cast<std::size_t>(*bytes);
   }
+  absl::Status valid = ValidateDeviceAllocatorOptions(*options);
+  if (!valid.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--config: ", valid.message()));
+  }
   return absl::OkStatus();
 }
 

@@ -249,6 +249,11 @@ struct DeviceAllocatorOptions {
   std::function<absl::Time()> clock;
 };
 
+// What CachingDeviceAllocator::Create checks of the size options (powers of
+// two, consistent segment sizes): INVALID_ARGUMENT naming the problem. The
+// tools call it on a parsed --config, so bad values are bad input.
+absl::Status ValidateDeviceAllocatorOptions(const DeviceAllocatorOptions& o);
+
 // A tenant (model) of the allocator; see the banner.
 using TenantId = std::uint32_t;
 inline constexpr TenantId kDefaultTenant = 0;

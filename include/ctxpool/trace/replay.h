@@ -222,7 +222,7 @@ absl::StatusOr<CapacitySearch> FindMinCapacity(const Trace& trace,
 // single granules), vmm_map_whole_chunks (true|false), max_split_size,
 // round_bytes, small_size_limit, small_segment_bytes, large_segment_bytes,
 // large_round_bytes; sizes accept units (64MiB). INVALID_ARGUMENT naming
-// the bad key or value.
+// the bad key or value, or options ValidateDeviceAllocatorOptions refuses.
 absl::Status ParseAllocatorConfig(absl::string_view text,
                                   DeviceAllocatorOptions* options);
 
