@@ -82,6 +82,23 @@ def quick(tool):
         (["--model", "a=workload:mixed", "--max-replicas=b"], "no such"),
         (["--model", "a=workload:mixed,replicas=2", "--schedule",
           "churn:resident=3"], "more than the plan's 2"),
+        (["--model", "a=workload:mixed,replicas=2,replicas=3"], "given twice"),
+        (["--model", "a=workload:mixed,max=0"], "no limit"),
+        (["--model", "a=workload:mixed,min=2GiB,high=1GiB"], "exceeds high"),
+        (["--model", "a=workload:mixed", "--capacity", "1MiB"],
+         "cannot hold its"),
+        # min counts with the context: 80 GiB of min leave it no room.
+        (["--model", "a=workload:mixed,min=80GiB"], "context"),
+        (["--gpu", "--device", "a10-24gb", "--model", "a=workload:mixed"],
+         "no --device"),
+        (["--model", "a=%s/t.csv,foo=1" % traces], "unknown option"),
+        (["--model", "a=workload:mixed", "--svg", "/no/such/dir/p.svg"],
+         "cannot write"),
+        (["--model", "a=workload:mixed", "--config", "round_bytes=3"],
+         "powers of two"),
+        # The merged trace would be too long to hold.
+        (["--model", "a=workload:mixed,replicas=4096", "--schedule",
+          "churn:cycles=1000"], "more than the"),
         # Under churn only the resident replicas' min count at once.
         (["--device", "a10-24gb", "--model",
           "a=workload:mixed,replicas=3,min=10GiB", "--schedule",
@@ -161,6 +178,27 @@ def quick(tool):
                          "a=workload:mixed:ops=2000,max_live_bytes=1GiB,"
                          "replicas=3,min=10GiB"])
     check(mode(j, "ctxpool")["fits"], "churn: resident replicas' min fits")
+    # The search honours the min sum: the count past it is refused, not
+    # replayed, and says why.
+    j = plan_json(tool, ["--device", "a10-24gb", "--max-replicas", "--model",
+                         "a=workload:mixed:ops=2000,max_live_bytes=1GiB,"
+                         "min=10GiB"])
+    c = j["max_replicas"][0]["ctxpool"]
+    check(c["max"] == 2 and c["ooms_at_max_plus_1"] == 0 and
+          "min sum" in c["message"] and not c["at_least"],
+          "max replicas stops at the min sum: %r" % c)
+    check(j["max_replicas"][0]["today"]["max"] > 2,
+          "today's way has no min to honour")
+    # A model that fits nowhere: the plan is still reported, the suggestion
+    # says why there is none (exit 0).
+    j = plan_json(tool, ["--capacity", "2GiB", "--suggest-budgets", "--model",
+                         "big=workload:llm-serving:requests=4,weights_bytes=4GiB"])
+    check(not mode(j, "ctxpool")["fits"] and
+          "does not fit" in j["suggested_budgets"]["error"],
+          "a suggestion that cannot be made is a result")
+    check(mode(j, "today")["models"][0]["peak_charged_bytes"] is None and
+          mode(j, "ctxpool")["models"][0]["sampled_peak_mapped_bytes"] is None,
+          "what a run did not measure is null")
     # A tenant over its max fails in ctxpool mode only.
     j = plan_json(tool, ["--device", "a10-24gb", "--model",
                          "llm=workload:llm-serving:requests=16,weights_bytes=2GiB,max=1GiB"])
@@ -233,6 +271,11 @@ def traces_check(tool, directory):
               "%s: the suggested budgets replay with no OOM (%d) and no "
               "rejection (%d)" % (device, got["ooms"],
                                   got["budget_rejections"]))
+        for row in got["models"]:
+            check(row["peak_charged_bytes"] <= sug[row["name"]]["max_bytes"],
+                  "%s: %s peaks at %d B charged, above its max %d" %
+                  (device, row["name"], row["peak_charged_bytes"],
+                   sug[row["name"]]["max_bytes"]))
         for m in models:
             b = sug[m["name"]]
             tighter = list(base[:2])

@@ -63,8 +63,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -73,6 +75,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
@@ -102,6 +105,9 @@ namespace {
 
 constexpr std::uint64_t kGranule = 2ull << 20;
 constexpr int kMaxReplicas = 4096;
+// The most events a merged plan may replay (its trace is held in memory:
+// about 60 B per event, twice while it is built).
+constexpr std::uint64_t kMaxPlanEvents = 32'000'000;
 
 std::uint64_t RoundUpGranule(std::uint64_t v) {
   return (v + kGranule - 1) / kGranule * kGranule;
@@ -174,6 +180,7 @@ struct ModelArg {
   std::vector<double> phase;
   std::uint64_t peak_live = 0;
   std::uint64_t median_live = 0;
+  std::uint64_t events = 0;  // allocations and frees (what a pass replays)
 };
 
 struct Schedule {
@@ -193,6 +200,7 @@ struct Schedule {
 
 struct Args {
   std::string device = "h100-80gb";
+  bool device_given = false;
   std::uint64_t capacity = 0;
   std::vector<ModelArg> models;
   Schedule schedule;
@@ -221,6 +229,7 @@ absl::StatusOr<ModelArg> ParseModel(absl::string_view text) {
   ModelArg m;
   m.name = std::string(text.substr(0, eq));
   std::vector<std::string> trace_parts;
+  absl::flat_hash_set<std::string> seen;
   for (absl::string_view part :
        absl::StrSplit(text.substr(eq + 1), ',', absl::AllowEmpty())) {
     auto value_of =
@@ -228,6 +237,14 @@ absl::StatusOr<ModelArg> ParseModel(absl::string_view text) {
       if (absl::StartsWith(part, key)) return part.substr(key.size());
       return std::nullopt;
     };
+    for (absl::string_view key : {"replicas=", "min=", "high=", "max="}) {
+      if (absl::StartsWith(part, key) &&
+          !seen.insert(std::string(key)).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("model '", m.name,
+                         "': ", key.substr(0, key.size() - 1), " given twice"));
+      }
+    }
     if (auto v = value_of("replicas=")) {
       if (!absl::SimpleAtoi(*v, &m.replicas) || m.replicas < 1 ||
           m.replicas > kMaxReplicas) {
@@ -247,6 +264,13 @@ absl::StatusOr<ModelArg> ParseModel(absl::string_view text) {
           return absl::InvalidArgumentError(
               absl::StrCat("model '", m.name, "': bad ", key, "'", *v, "'"));
         }
+        // A session's 0 means "no limit": say so instead of taking it.
+        if (*bytes == 0 && key != absl::string_view("min=")) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "model '", m.name, "': ", key, "0 is no limit; leave ",
+              absl::string_view(key).substr(0, std::strlen(key) - 1),
+              " out instead"));
+        }
         *slot = *bytes;
         budget = true;
       }
@@ -261,10 +285,31 @@ absl::StatusOr<ModelArg> ParseModel(absl::string_view text) {
     return absl::InvalidArgumentError(
         absl::StrCat("model '", m.name, "' has no trace"));
   }
-  if (m.min && m.max && *m.max != 0 && *m.min > *m.max) {
+  // A file trace's later parts are options unless the file's name has them.
+  if (!absl::StartsWith(m.trace_spec, "workload:") && trace_parts.size() > 1 &&
+      access(m.trace_spec.c_str(), F_OK) != 0) {
+    for (std::size_t i = 1; i < trace_parts.size(); ++i) {
+      const std::string& part = trace_parts[i];
+      const std::size_t k = part.find('=');
+      if (k != std::string::npos && k > 0 &&
+          std::all_of(part.begin(), part.begin() + k, [](char c) {
+            return std::islower(static_cast<unsigned char>(c)) || c == '_';
+          })) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("model '", m.name, "': unknown option '", part,
+                         "' (replicas=, min=, high=, max=)"));
+      }
+    }
+  }
+  if (m.min && m.max && *m.min > *m.max) {
     return absl::InvalidArgumentError(
         absl::StrCat("model '", m.name, "': min ", FormatBytes(*m.min),
                      " exceeds max ", FormatBytes(*m.max)));
+  }
+  if (m.min && m.high && *m.min > *m.high) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model '", m.name, "': min ", FormatBytes(*m.min),
+                     " exceeds high ", FormatBytes(*m.high)));
   }
   return m;
 }
@@ -287,6 +332,7 @@ int ParseArgs(int argc, char** argv, Args* a) {
                          absl::StrJoin(SimDevicePresetNames(), ", "), ")"));
       }
       a->device = v;
+      a->device_given = true;
     } else if (arg == "--capacity") {
       const char* v = value();
       absl::StatusOr<std::uint64_t> bytes =
@@ -396,6 +442,22 @@ int ParseArgs(int argc, char** argv, Args* a) {
     return UsageError(
         "--gpu replays the plan once: no --max-replicas or --suggest-budgets");
   }
+  if (a->gpu && (a->device_given || a->capacity != 0)) {
+    return UsageError(
+        "--gpu replays on the real device: no --device or --capacity");
+  }
+  if (!a->svg.empty()) {
+    // Fail now, not after the replays: the file's folder must be writable
+    // (and the file, if it exists).
+    const std::size_t slash = a->svg.rfind('/');
+    const std::string dir = slash == std::string::npos ? "."
+                            : slash == 0               ? "/"
+                                         : a->svg.substr(0, slash);
+    if (access(dir.c_str(), W_OK) != 0 || (access(a->svg.c_str(), F_OK) == 0 &&
+                                           access(a->svg.c_str(), W_OK) != 0)) {
+      return UsageError(absl::StrCat("--svg ", a->svg, ": cannot write there"));
+    }
+  }
   return 0;
 }
 
@@ -437,9 +499,11 @@ absl::Status LoadModel(ModelArg& m) {
                      ? (static_cast<double>(e.time_ns) - t0) / span
                      : static_cast<double>(i) / static_cast<double>(ev.size());
     if (e.op == TraceOp::kAlloc) {
+      ++m.events;
       live[e.ptr] = e.size;
       now += e.size;
     } else if (e.op == TraceOp::kFree) {
+      ++m.events;
       auto l = live.find(e.ptr);
       if (l != live.end()) {
         now -= l->second;
@@ -450,6 +514,11 @@ absl::Status LoadModel(ModelArg& m) {
     live_at.push_back(now);
   }
   m.streams = std::max<int>(1, static_cast<int>(streams.size()));
+  if (m.peak_live == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model '", m.name, "': the trace allocates nothing (",
+                     m.trace.size(), " events)"));
+  }
   if (!live_at.empty()) {
     std::nth_element(live_at.begin(), live_at.begin() + live_at.size() / 2,
                      live_at.end());
@@ -621,7 +690,8 @@ absl::StatusOr<std::unique_ptr<Driver>> MakeDriver(const Device& d) {
 struct RunWhat {
   bool today = true;
   bool ctxpool = true;
-  bool samples = false;  // per-tenant samples for the SVG
+  bool samples = false;                // per-tenant samples for the SVG
+  bool stop_at_first_failure = false;  // a search: fits or not is enough
 };
 
 absl::StatusOr<PlanOutcome> RunPlan(const std::vector<ModelArg>& models,
@@ -637,6 +707,7 @@ absl::StatusOr<PlanOutcome> RunPlan(const std::vector<ModelArg>& models,
   options.fragmentation_samples = false;
   options.per_tenant_samples = what.samples;
   options.max_samples = what.samples ? 400 : 1;
+  options.stop_at_first_failure = what.stop_at_first_failure;
   options.spec = [&](std::uint32_t tenant) {
     const Replica& r = merged.tenants[tenant - 1];
     LoadSpec spec;
@@ -718,13 +789,59 @@ struct ReplicaSearch {
     // The most replicas that fit; -1: the other models do not fit even
     // without this one (breaker then describes that plan).
     int max = 0;
-    // The plan with max + 1 replicas: who failed first and how.
+    // The search reached its limit (`limit` says which) with max still
+    // fitting: max is a lower bound.
+    bool at_least = false;
+    std::string limit;
+    // The plan with max + 1 replicas: who failed first and how (or, when
+    // that plan is refused before any replay, why: breaker_message).
     std::string breaker;
     std::int64_t breaker_ooms = 0;
     std::string breaker_message;
     int replays = 0;
   } ctxpool, today;
 };
+
+// Events in the merged trace of `plan` (the allocations and frees of every
+// replica's passes, plus the unloads under churn), saturating.
+std::uint64_t PlanEvents(const std::vector<ModelArg>& models, const Plan& plan,
+                         const Schedule& schedule) {
+  std::uint64_t n = 0;
+  const std::uint64_t passes = schedule.churn ? schedule.cycles : 1;
+  for (std::size_t m = 0; m < models.size(); ++m) {
+    const std::uint64_t per = models[m].events + (schedule.churn ? 1 : 0);
+    const std::uint64_t r = static_cast<std::uint64_t>(plan.replicas[m]);
+    if (per != 0 && r > (UINT64_MAX - n) / per / passes) return UINT64_MAX;
+    n += per * r * passes;
+  }
+  return n;
+}
+
+// Why a plan is refused before it is replayed (empty: it is not).
+std::string RefusePlan(const std::vector<ModelArg>& models, const Plan& plan,
+                       const Schedule& schedule, std::uint64_t capacity,
+                       std::uint64_t context_bytes) {
+  if (capacity < context_bytes + kGranule) {
+    return absl::StrFormat(
+        "the device's %s cannot hold its %s context and one 2 MiB granule",
+        FormatBytes(capacity), FormatBytes(context_bytes));
+  }
+  if (const std::uint64_t events = PlanEvents(models, plan, schedule);
+      events > kMaxPlanEvents) {
+    return absl::StrFormat(
+        "the plan replays %d events, more than the %d a plan may replay",
+        events, kMaxPlanEvents);
+  }
+  if (const std::uint64_t min_sum = MinSumAtOnce(models, plan, schedule);
+      min_sum > capacity || capacity - min_sum < context_bytes) {
+    return absl::StrFormat(
+        "the budgets' min sum to %s; with the %s context that is more than "
+        "the device's %s",
+        FormatBytes(min_sum), FormatBytes(context_bytes),
+        FormatBytes(capacity));
+  }
+  return "";
+}
 
 absl::StatusOr<ReplicaSearch> SearchReplicas(
     const std::vector<ModelArg>& models, const Plan& base, std::size_t m,
@@ -733,79 +850,129 @@ absl::StatusOr<ReplicaSearch> SearchReplicas(
   ReplicaSearch out;
   out.model = models[m].name;
   out.given = base.replicas[m];
+  auto with = [&](int n) {
+    Plan p = base;
+    p.replicas[m] = n;
+    return p;
+  };
+  // The largest count a plan may have (kMaxReplicas, or fewer when the
+  // merged trace would be too long), and whether the min sum refuses n.
+  int limit = kMaxReplicas;
+  std::string limit_reason =
+      absl::StrCat("the search stops at ", kMaxReplicas, " replicas");
+  while (limit > 1 &&
+         PlanEvents(models, with(limit), schedule) > kMaxPlanEvents) {
+    limit /= 2;
+    limit_reason = absl::StrFormat(
+        "the search stops where the plan would replay more than %d events",
+        kMaxPlanEvents);
+  }
+  if (limit < kMaxReplicas) {
+    // Refine to the exact largest count within the event limit.
+    int lo = limit, hi = limit * 2;
+    while (hi - lo > 1) {
+      const int mid = lo + (hi - lo) / 2;
+      (PlanEvents(models, with(mid), schedule) > kMaxPlanEvents ? hi : lo) =
+          mid;
+    }
+    limit = lo;
+  }
+  auto min_refuses = [&](int n) {
+    return MinSumAtOnce(models, with(n), schedule) +
+               device.spec.context_overhead_bytes >
+           device.spec.capacity_bytes;
+  };
   for (int side = 0; side < 2; ++side) {
     const bool pooled = side == 0;
     ReplicaSearch::Side& s = pooled ? out.ctxpool : out.today;
-    // One replay of the plan with n replicas of model m.
-    auto replay = [&](int n) -> absl::StatusOr<PlanOutcome> {
-      Plan p = base;
-      p.replicas[m] = n;
+    // One replay of the plan with n replicas of model m; a plan whose min
+    // sum the device cannot hold does not fit and is not replayed.
+    auto replay = [&](int n, bool stop) -> absl::StatusOr<PlanOutcome> {
       RunWhat what;
       what.today = !pooled;
       what.ctxpool = pooled;
+      what.stop_at_first_failure = stop;
       ++s.replays;
-      return RunPlan(models, p, schedule, device, allocator, what);
+      return RunPlan(models, with(n), schedule, device, allocator, what);
     };
-    auto fits = [&](const PlanOutcome& o) {
-      return pooled ? o.ctxpool.fits() : o.today.fits();
+    auto run_of = [&](const PlanOutcome& o) -> const PlanRun& {
+      return pooled ? o.ctxpool : o.today;
     };
-    // Doubling, then bisection between lo (fits) and hi (fails); hi_outcome
-    // is the replay at hi.
-    int lo = 0, hi = 1;
+    // fits(n): nullopt when refused by the min sum (not replayed).
     std::optional<PlanOutcome> hi_outcome;
+    auto fits = [&](int n) -> absl::StatusOr<bool> {
+      if (pooled && min_refuses(n)) {
+        hi_outcome.reset();
+        return false;
+      }
+      CTXPOOL_ASSIGN_OR_RETURN(PlanOutcome o, replay(n, /*stop=*/true));
+      const bool ok = run_of(o).fits();
+      if (!ok) hi_outcome = std::move(o);
+      return ok;
+    };
+    // Doubling, then bisection between lo (fits) and hi (fails).
+    int lo = 0, hi = 1;
+    bool capped = false;
     while (true) {
-      CTXPOOL_ASSIGN_OR_RETURN(PlanOutcome o, replay(hi));
-      if (!fits(o)) {
-        hi_outcome = std::move(o);
+      CTXPOOL_ASSIGN_OR_RETURN(bool ok, fits(hi));
+      if (!ok) break;
+      lo = hi;
+      if (hi >= limit) {
+        capped = true;
         break;
       }
-      lo = hi;
-      if (hi >= kMaxReplicas) {
-        return absl::OutOfRangeError(
-            absl::StrCat("model '", out.model, "': ", kMaxReplicas,
-                         " replicas fit; is the trace empty?"));
-      }
-      hi = std::min(kMaxReplicas, hi * 2);
+      hi = std::min(limit, hi * 2);
     }
+    if (capped) {
+      s.max = lo;
+      s.at_least = true;
+      s.limit = limit_reason;
+      continue;
+    }
+    // hi_outcome is the last failing replay; bisection keeps it at hi.
+    std::optional<PlanOutcome> at_hi = std::move(hi_outcome);
     while (hi - lo > 1) {
       const int mid = lo + (hi - lo) / 2;
-      CTXPOOL_ASSIGN_OR_RETURN(PlanOutcome o, replay(mid));
-      if (fits(o)) {
+      CTXPOOL_ASSIGN_OR_RETURN(bool ok, fits(mid));
+      if (ok) {
         lo = mid;
       } else {
         hi = mid;
-        hi_outcome = std::move(o);
+        at_hi = std::move(hi_outcome);
       }
     }
+    int breaking = hi;
     if (lo == 0) {
       // Not even one fits: do the others fit without this model at all?
-      CTXPOOL_ASSIGN_OR_RETURN(PlanOutcome none, replay(0));
-      if (!fits(none)) {
+      CTXPOOL_ASSIGN_OR_RETURN(bool ok, fits(0));
+      if (!ok) {
         s.max = -1;
-        hi_outcome = std::move(none);
-        hi = 0;
+        at_hi = std::move(hi_outcome);
+        breaking = 0;
       }
     }
-    if (s.max < 0) {
-      const PlanRun& r0 = pooled ? hi_outcome->ctxpool : hi_outcome->today;
-      Plan p = base;
-      p.replicas[m] = 0;
-      if (r0.result.first_oom) {
-        s.breaker = TenantName(models, p, r0.result.first_oom->tenant);
-        s.breaker_message = FirstLine(r0.result.first_oom->message);
+    if (s.max >= 0) s.max = lo;
+    // The failing plan, replayed to its end for its count of OOMs (the
+    // search stopped at the first).
+    if (at_hi) {
+      const PlanRun* run = &run_of(*at_hi);
+      std::optional<PlanOutcome> full;
+      if (run->result.stopped_early) {
+        CTXPOOL_ASSIGN_OR_RETURN(full, replay(breaking, /*stop=*/false));
+        run = &run_of(*full);
       }
-      s.breaker_ooms = r0.result.ooms;
-      continue;
+      if (run->result.first_oom) {
+        s.breaker =
+            TenantName(models, with(breaking), run->result.first_oom->tenant);
+        s.breaker_message = FirstLine(run->result.first_oom->message);
+      }
+      s.breaker_ooms = run->result.ooms;
+    } else {
+      s.breaker = out.model;
+      s.breaker_message = RefusePlan(models, with(breaking), schedule,
+                                     device.spec.capacity_bytes,
+                                     device.spec.context_overhead_bytes);
     }
-    s.max = lo;
-    const PlanRun& run = pooled ? hi_outcome->ctxpool : hi_outcome->today;
-    Plan p = base;
-    p.replicas[m] = hi;
-    if (run.result.first_oom) {
-      s.breaker = TenantName(models, p, run.result.first_oom->tenant);
-      s.breaker_message = FirstLine(run.result.first_oom->message);
-    }
-    s.breaker_ooms = run.result.ooms;
   }
   return out;
 }
@@ -825,7 +992,8 @@ struct Suggestion {
   std::string model;
   std::uint64_t min = 0, high = 0, max = 0;
   std::uint64_t peak_live = 0, peak_charged = 0, frontier = 0;
-  // The plan replayed with max one granule lower: this model's failures.
+  // The plan replayed with max one granule lower: this model's allocations
+  // its max rejected (-1: not replayed).
   std::int64_t tighter_failures = 0;
 };
 
@@ -905,9 +1073,11 @@ absl::StatusOr<Suggestions> SuggestBudgets(
     }
     CTXPOOL_ASSIGN_OR_RETURN(PlanOutcome o, RunPlan(models, tighter, schedule,
                                                     device, allocator, what));
+    // Rejections by the model's max, not device OOMs: those the plan may
+    // have without the tightening too.
     for (const auto& [tenant, t] : o.ctxpool.result.tenants) {
       if (ModelOfTenant(tighter, tenant) == static_cast<int>(m)) {
-        out.models[m].tighter_failures += t.failed;
+        out.models[m].tighter_failures += t.budget_rejections;
       }
     }
   }
@@ -941,8 +1111,11 @@ std::vector<ModelRow> ModelRows(const std::vector<ModelArg>& models,
   return rows;
 }
 
+// `sampled`: per-tenant samples were taken (--svg), so the sampled peaks of
+// mapped bytes are known; else they are null. Today's replicas have no
+// session, hence no charged bytes (null).
 std::string ModeJson(const std::vector<ModelArg>& models, const Plan& plan,
-                     const PlanRun& run, std::uint64_t capacity) {
+                     const PlanRun& run, std::uint64_t capacity, bool sampled) {
   const ModeResult& r = run.result;
   std::string oom = "null";
   if (r.first_oom) {
@@ -957,13 +1130,15 @@ std::string ModeJson(const std::vector<ModelArg>& models, const Plan& plan,
   std::string per_model;
   const std::vector<ModelRow> rows = ModelRows(models, plan, r);
   for (std::size_t m = 0; m < models.size(); ++m) {
-    absl::StrAppend(&per_model, m ? "," : "",
-                    "{\"name\":", JsonString(models[m].name),
-                    ",\"replicas\":", plan.replicas[m],
-                    ",\"failed_allocations\":", rows[m].failed,
-                    ",\"budget_rejections\":", rows[m].rejections,
-                    ",\"peak_mapped_bytes\":", rows[m].peak_mapped,
-                    ",\"peak_charged_bytes\":", rows[m].peak_charged, "}");
+    absl::StrAppend(
+        &per_model, m ? "," : "", "{\"name\":", JsonString(models[m].name),
+        ",\"replicas\":", plan.replicas[m],
+        ",\"failed_allocations\":", rows[m].failed,
+        ",\"budget_rejections\":", rows[m].rejections,
+        ",\"sampled_peak_mapped_bytes\":",
+        sampled ? absl::StrCat(rows[m].peak_mapped) : "null",
+        ",\"peak_charged_bytes\":",
+        r.mode == "ctxpool" ? absl::StrCat(rows[m].peak_charged) : "null", "}");
   }
   return absl::StrCat(
       "{\"mode\":", JsonString(r.mode),
@@ -1087,11 +1262,13 @@ int RunPlan(int argc, char** argv) {
     b.max_bytes = m.max.value_or(0);
     plan.budgets.push_back(b);
   }
-  const std::uint64_t min_sum = MinSumAtOnce(a.models, plan, a.schedule);
-  if (!a.gpu && min_sum > device.spec.capacity_bytes) {
-    return UsageError(absl::StrFormat(
-        "the budgets' min sum to %s, more than the device's %s",
-        FormatBytes(min_sum), FormatBytes(device.spec.capacity_bytes)));
+  if (!a.gpu) {
+    const std::string why =
+        RefusePlan(a.models, plan, a.schedule, device.spec.capacity_bytes,
+                   device.spec.context_overhead_bytes);
+    if (!why.empty()) return UsageError(why);
+  } else if (PlanEvents(a.models, plan, a.schedule) > kMaxPlanEvents) {
+    return UsageError(RefusePlan(a.models, plan, a.schedule, UINT64_MAX, 0));
   }
 
   RunWhat what;
@@ -1103,10 +1280,11 @@ int RunPlan(int argc, char** argv) {
                  outcome.status().ToString().c_str());
     return 1;
   }
-  if (a.gpu && min_sum > outcome->capacity) {
-    return UsageError(
-        absl::StrFormat("the budgets' min sum to %s, more than the device's %s",
-                        FormatBytes(min_sum), FormatBytes(outcome->capacity)));
+  if (a.gpu) {
+    const std::string why =
+        RefusePlan(a.models, plan, a.schedule, outcome->capacity,
+                   outcome->ctxpool.result.context_bytes);
+    if (!why.empty()) return UsageError(why);
   }
 
   std::vector<ReplicaSearch> searches;
@@ -1127,15 +1305,19 @@ int RunPlan(int argc, char** argv) {
     }
   }
   std::optional<Suggestions> suggestions;
+  std::string suggestion_error;  // a model that fits nowhere: a result
   if (a.suggest) {
     absl::StatusOr<Suggestions> s =
         SuggestBudgets(a.models, plan, a.schedule, device, allocator);
-    if (!s.ok()) {
+    if (s.ok()) {
+      suggestions = std::move(s).value();
+    } else if (s.status().code() == absl::StatusCode::kResourceExhausted) {
+      suggestion_error = std::string(s.status().message());
+    } else {
       std::fprintf(stderr, "ctxpool plan: --suggest-budgets: %s\n",
                    s.status().ToString().c_str());
       return 1;
     }
-    suggestions = std::move(s).value();
   }
 
   if (!a.svg.empty()) {
@@ -1173,17 +1355,21 @@ int RunPlan(int argc, char** argv) {
           ",\"high_bytes\":", x.high.value_or(0),
           ",\"max_bytes\":", x.max.value_or(0), "}");
     }
-    std::string out = absl::StrCat(
-        "{\"device\":", JsonString(outcome->device),
-        ",\"driver\":", JsonString(a.gpu ? "cuda" : "sim"),
-        ",\"capacity_bytes\":", outcome->capacity,
-        ",\"schedule\":", JsonString(a.schedule.ToString()),
-        ",\"events\":", outcome->events, ",\"peak_live_bytes\":",
-        (outcome->ctxpool.ran ? outcome->ctxpool : outcome->today)
-            .result.peak_live,
-        ",\"models\":[", models_json, "],\"modes\":[",
-        ModeJson(a.models, plan, outcome->today, outcome->capacity), ",",
-        ModeJson(a.models, plan, outcome->ctxpool, outcome->capacity), "]");
+    std::string out =
+        absl::StrCat("{\"device\":", JsonString(outcome->device),
+                     ",\"driver\":", JsonString(a.gpu ? "cuda" : "sim"),
+                     ",\"capacity_bytes\":", outcome->capacity,
+                     ",\"schedule\":", JsonString(a.schedule.ToString()),
+                     ",\"events\":", outcome->events, ",\"peak_live_bytes\":",
+                     (outcome->ctxpool.ran ? outcome->ctxpool : outcome->today)
+                         .result.peak_live,
+                     ",\"models\":[", models_json, "],\"modes\":[",
+                     ModeJson(a.models, plan, outcome->today, outcome->capacity,
+                              what.samples),
+                     ",",
+                     ModeJson(a.models, plan, outcome->ctxpool,
+                              outcome->capacity, what.samples),
+                     "]");
     if (a.max_replicas) {
       out += ",\"max_replicas\":[";
       for (std::size_t i = 0; i < searches.size(); ++i) {
@@ -1192,6 +1378,8 @@ int RunPlan(int argc, char** argv) {
           return absl::StrCat(
               "{\"max\":",
               x.max < 0 ? std::string("null") : absl::StrCat(x.max),
+              ",\"at_least\":", x.at_least ? "true" : "false",
+              ",\"limit\":", x.at_least ? JsonString(x.limit) : "null",
               ",\"breaker\":", JsonString(x.breaker),
               ",\"ooms_at_max_plus_1\":", x.breaker_ooms,
               ",\"message\":", JsonString(x.breaker_message),
@@ -1214,7 +1402,10 @@ int RunPlan(int argc, char** argv) {
             ",\"max_bytes\":", s.max, ",\"peak_live_bytes\":", s.peak_live,
             ",\"peak_charged_bytes\":", s.peak_charged,
             ",\"frontier_bytes\":", s.frontier,
-            ",\"failures_with_max_minus_granule\":", s.tighter_failures, "}");
+            ",\"rejections_with_max_minus_granule\":",
+            s.tighter_failures < 0 ? std::string("null")
+                                   : absl::StrCat(s.tighter_failures),
+            "}");
       }
       absl::StrAppend(
           &out, "],\"min_sum_bytes\":", suggestions->min_sum,
@@ -1223,6 +1414,10 @@ int RunPlan(int argc, char** argv) {
           suggestions->verified.ctxpool.fits() ? "true" : "false",
           ",\"ooms\":", v.ooms, ",\"budget_rejections\":", v.budget_rejections,
           "}}");
+    }
+    if (!suggestion_error.empty()) {
+      absl::StrAppend(&out, ",\"suggested_budgets\":{\"error\":",
+                      JsonString(suggestion_error), "}");
     }
     absl::StrAppend(
         &out, ",\"svg\":", a.svg.empty() ? "null" : JsonString(a.svg), "}\n");
@@ -1258,21 +1453,28 @@ int RunPlan(int argc, char** argv) {
     std::printf(kFmt, "model", "ctxpool", "today",
                 "one more replica breaks it");
     for (const ReplicaSearch& s : searches) {
-      std::string why =
-          s.ctxpool.max < 0
-              ? absl::StrFormat(
-                    "ctxpool: the others do not fit even without %s (%d "
-                    "OOMs, first in %s)",
-                    s.model, s.ctxpool.breaker_ooms, s.ctxpool.breaker)
-              : absl::StrFormat("ctxpool: %d OOMs, first in %s: %s",
-                                s.ctxpool.breaker_ooms, s.ctxpool.breaker,
-                                s.ctxpool.breaker_message);
+      const ReplicaSearch::Side& c = s.ctxpool;
+      std::string why;
+      if (c.at_least) {
+        why = absl::StrCat("ctxpool: still fits: ", c.limit);
+      } else if (c.max < 0) {
+        why = absl::StrFormat(
+            "ctxpool: the others do not fit even without %s (%d OOMs, first "
+            "in %s)",
+            s.model, c.breaker_ooms, c.breaker);
+      } else if (c.breaker_ooms == 0) {
+        why = absl::StrCat("ctxpool: refused: ", c.breaker_message);
+      } else {
+        why = absl::StrFormat("ctxpool: %d OOMs, first in %s: %s",
+                              c.breaker_ooms, c.breaker, c.breaker_message);
+      }
       if (why.size() > 150) why = why.substr(0, 147) + "...";
-      auto count = [](int n) {
-        return n < 0 ? std::string("none") : absl::StrCat(n);
+      auto count = [](const ReplicaSearch::Side& x) {
+        if (x.max < 0) return std::string("none");
+        return absl::StrCat(x.max, x.at_least ? "+" : "");
       };
-      std::printf(kFmt, s.model.c_str(), count(s.ctxpool.max).c_str(),
-                  count(s.today.max).c_str(), why.c_str());
+      std::printf(kFmt, s.model.c_str(), count(s.ctxpool).c_str(),
+                  count(s.today).c_str(), why.c_str());
     }
   }
   if (suggestions) {
@@ -1282,13 +1484,12 @@ int RunPlan(int argc, char** argv) {
     const char* kFmt = "  %-16s %11s %11s %11s  %s\n";
     std::printf(kFmt, "model", "min", "high", "max", "max - 2 MiB");
     for (const Suggestion& s : suggestions->models) {
-      std::printf(
-          kFmt, s.model.c_str(), FormatBytes(s.min).c_str(),
-          FormatBytes(s.high).c_str(), FormatBytes(s.max).c_str(),
-          s.tighter_failures < 0
-              ? "-"
-              : absl::StrFormat("%d failed allocations", s.tighter_failures)
-                    .c_str());
+      std::printf(kFmt, s.model.c_str(), FormatBytes(s.min).c_str(),
+                  FormatBytes(s.high).c_str(), FormatBytes(s.max).c_str(),
+                  s.tighter_failures < 0 ? "-"
+                                         : absl::StrFormat("%d rejected by max",
+                                                           s.tighter_failures)
+                                               .c_str());
     }
     const ModeResult& v = suggestions->verified.ctxpool.result;
     std::printf(
@@ -1309,6 +1510,9 @@ int RunPlan(int argc, char** argv) {
           static_cast<unsigned long long>(s.high >> 20),
           static_cast<unsigned long long>(s.max >> 20));
     }
+  }
+  if (!suggestion_error.empty()) {
+    std::printf("\nsuggested budgets: none: %s\n", suggestion_error.c_str());
   }
   if (!a.svg.empty()) std::printf("\nmemory over time: %s\n", a.svg.c_str());
   return 0;

@@ -430,6 +430,10 @@ absl::StatusOr<ModeResult> RunMode(Mode& mode, const Trace& trace,
     if (options.progress && (i % progress_every == 0 || i + 1 == n)) {
       options.progress(i + 1, n);
     }
+    if (options.stop_at_first_failure && r.first_oom) {
+      r.stopped_early = true;
+      break;
+    }
   }
   if (options.fragmentation_samples) {
     r.reserved_after_unload = mode.Measure().reserved;

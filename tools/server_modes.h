@@ -103,6 +103,9 @@ struct ModeResult {
     std::string message;
   };
   std::optional<Oom> first_oom;
+  // RunOptions::stop_at_first_failure ended the replay at first_oom: the
+  // counts cover the events up to it only.
+  bool stopped_early = false;
   absl::flat_hash_map<std::uint32_t, TenantResult> tenants;
   std::vector<Sample> samples;
   MemoryMapPanel panel;
@@ -208,6 +211,9 @@ struct RunOptions {
   std::size_t max_samples = 300;
   bool fragmentation_samples = true;
   bool per_tenant_samples = false;
+  // Stop at the first failed allocation or load (a search needs only "fits
+  // or not"; a plan far over the device would otherwise fail every event).
+  bool stop_at_first_failure = false;
   std::function<void(std::size_t, std::size_t)> progress;
 };
 

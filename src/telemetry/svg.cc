@@ -558,7 +558,9 @@ std::string RenderMemoryMapSvg(const std::vector<MemoryMapPanel>& panels,
                                               std::max(options.max_rows, 1)));
   }
   const double header_h = options.subtitle.empty() ? 40 : 58;
-  const double legend_h = 46;
+  // The block legend explains the memory-map panels: plots alone (each
+  // with its own key) have none.
+  const double legend_h = panels.empty() ? 0 : 46;
   const double panel_h =
       panels.empty()
           ? 0
@@ -605,7 +607,7 @@ std::string RenderMemoryMapSvg(const std::vector<MemoryMapPanel>& panels,
     Text(out, margin, margin + 38, options.subtitle, 12, "start",
          "fill=\"#444\" ");
   }
-  DrawLegend(out, margin, margin + header_h, palette);
+  if (!panels.empty()) DrawLegend(out, margin, margin + header_h, palette);
   out += body;
   out += "</svg>\n";
   return out;
