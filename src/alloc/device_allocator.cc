@@ -2506,6 +2506,13 @@ class CachingDeviceAllocator::Impl {
       const std::size_t mapped = TenantMapped(static_cast<TenantId>(t));
       const Budget& b = tenants_[t]->budget;
       if (mapped <= b.min) continue;
+      // Less than a granule beyond its allocated bytes: no whole free
+      // granule to take (an OOM storm across many tenants skips them here,
+      // before the sort and the per-stream walks).
+      if (mapped - std::min(mapped, TenantLive(static_cast<TenantId>(t))) <
+          granule_) {
+        continue;
+      }
       const std::size_t over_high = mapped > b.high ? mapped - b.high : 0;
       victims.emplace_back(over_high != 0 ? over_high : mapped - b.min,
                            static_cast<TenantId>(t));
