@@ -96,6 +96,13 @@ def quick(tool):
          "cannot write"),
         (["--model", "a=workload:mixed", "--config", "round_bytes=3"],
          "powers of two"),
+        (["--model", "a#1=workload:mixed"], "may not hold '#'"),
+        (["--model", "a=workload:mixed", "--svg", traces], "Is a directory"),
+        (["--model", "a=workload:mixed", "--schedule",
+          "churn:resident=1,resident=2"], "given twice"),
+        (["--model", "a=workload:mixed", "--config",
+          "backing=classic,backing=expandable"], "given twice"),
+        (["--model", "a=workload:mixed,max=0.0001"], "is 0 bytes"),
         # The merged trace would be too long to hold.
         (["--model", "a=workload:mixed,replicas=4096", "--schedule",
           "churn:cycles=1000"], "more than the"),
@@ -184,7 +191,8 @@ def quick(tool):
                          "a=workload:mixed:ops=2000,max_live_bytes=1GiB,"
                          "min=10GiB"])
     c = j["max_replicas"][0]["ctxpool"]
-    check(c["max"] == 2 and c["ooms_at_max_plus_1"] == 0 and
+    check(c["max"] == 2 and c["refused"] and
+          c["ooms_at_max_plus_1"] is None and
           "min sum" in c["message"] and not c["at_least"],
           "max replicas stops at the min sum: %r" % c)
     check(j["max_replicas"][0]["today"]["max"] > 2,
@@ -193,9 +201,29 @@ def quick(tool):
     # says why there is none (exit 0).
     j = plan_json(tool, ["--capacity", "2GiB", "--suggest-budgets", "--model",
                          "big=workload:llm-serving:requests=4,weights_bytes=4GiB"])
-    check(not mode(j, "ctxpool")["fits"] and
-          "does not fit" in j["suggested_budgets"]["error"],
-          "a suggestion that cannot be made is a result")
+    sb = j["suggested_budgets"]["models"][0]
+    check(not mode(j, "ctxpool")["fits"] and "does not fit" in sb["error"] and
+          sb["max_bytes"] is None and not j["suggested_budgets"]["verified"]["fits"],
+          "a suggestion that cannot be made is a result: %r" % sb)
+    # ... and costs only that model its suggestion.
+    j = plan_json(tool, ["--capacity", "2GiB", "--suggest-budgets", "--model",
+                         "big=workload:llm-serving:requests=4,weights_bytes=4GiB",
+                         "--model", "small=workload:mixed:ops=2000,max_live_bytes=256MiB"])
+    sb = {m["model"]: m for m in j["suggested_budgets"]["models"]}
+    check(sb["big"]["error"] and sb["small"]["error"] is None and
+          sb["small"]["max_bytes"] >= sb["small"]["peak_charged_bytes"] > 0,
+          "the model that fits alone keeps its suggestion: %r" % sb["small"])
+    # A plan far over the device stops counting its failures: the count is
+    # a lower bound and says so.
+    j = plan_json(tool, ["--capacity", "1GiB", "--model",
+                         "m=workload:mixed:ops=200000,max_live_bytes=8GiB,"
+                         "replicas=10"])
+    for m in j["modes"]:
+        check(m["stopped_early"] and m["ooms"] == 100000 and not m["fits"],
+              "%s stops at 100000 OOMs: %r" % (m["mode"], m["ooms"]))
+    p = run(tool, ["--capacity", "1GiB", "--model",
+                   "m=workload:mixed:ops=200000,max_live_bytes=8GiB,replicas=10"])
+    check("100000+" in p.stdout, "the text marks the count as a lower bound")
     check(mode(j, "today")["models"][0]["peak_charged_bytes"] is None and
           mode(j, "ctxpool")["models"][0]["sampled_peak_mapped_bytes"] is None,
           "what a run did not measure is null")
@@ -257,6 +285,26 @@ def traces_check(tool, directory):
             print("%s: %s: ctxpool %s, today %s replicas (verified)" %
                   (device, s["model"], s["ctxpool"]["max"], today_n))
         check(fewer_today, "%s: today's way fits fewer replicas" % device)
+
+        # Staggered: each count up to the answer fits, not only the answer
+        # (the search bisects, so it needs "fits" monotone in the count; the
+        # offsets do not move as replicas are added).
+        if device == "h100-80gb":
+            st = base + ["--schedule", "staggered"]
+            j2 = plan_json(tool, st + ["--max-replicas=opt"])
+            n = j2["max_replicas"][0]["ctxpool"]["max"]
+            i = next(k for k, m in enumerate(models) if m["name"] == "opt")
+            for count in range(1, n + 2):
+                flags = ["--device", device, "--schedule", "staggered"]
+                for k, m in enumerate(models):
+                    flags += ["--model",
+                              model_flag(m, count if k == i else None)]
+                got = mode(plan_json(tool, flags), "ctxpool")
+                check(got["fits"] == (count <= n),
+                      "staggered: %d x opt fits %s, the search says %d" %
+                      (count, got["fits"], n))
+            print("%s: staggered: opt 1..%d fit, %d does not (ctxpool)" %
+                  (device, n, n + 1))
 
         sug = {m["model"]: m for m in j["suggested_budgets"]["models"]}
         flags = list(base[:2])

@@ -285,6 +285,9 @@ TEST(ParseAllocatorConfig, SetsKnownKeysAndRejectsOthers) {
               HasSubstr("bad size 'lots'"));
   EXPECT_THAT(ParseAllocatorConfig("backing=magic", &o).message(),
               HasSubstr("classic, expandable or auto"));
+  EXPECT_THAT(
+      ParseAllocatorConfig("backing=classic,backing=expandable", &o).message(),
+      HasSubstr("'backing' given twice"));
   // Values the allocator would refuse are refused here, as bad input.
   DeviceAllocatorOptions fresh;
   EXPECT_THAT(ParseAllocatorConfig("round_bytes=3", &fresh).message(),

@@ -1,6 +1,7 @@
 #include "ctxpool/trace/trace_io.h"
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -307,6 +308,24 @@ TEST(TraceFile, DirectoryOrMissingFileIsAnError) {
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(missing.status().message(), HasSubstr("no-such.csv"));
+}
+
+// A PyTorch snapshot given as a trace: named as a pickle, with the converter.
+TEST(TraceFile, PickleIsNamedWithItsConverter) {
+  const std::string path = ::testing::TempDir() + "/snapshot.pickle";
+  {
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    const char bytes[] = "\x80\x04\x95\x02\x00segments";
+    std::fwrite(bytes, 1, sizeof(bytes) - 1, f);
+    std::fclose(f);
+  }
+  absl::StatusOr<Trace> t = ReadTraceFile(path);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(t.status().message(), HasSubstr("pickle"));
+  EXPECT_THAT(t.status().message(), HasSubstr("torch_snapshot_to_trace.py"));
+  std::remove(path.c_str());
 }
 
 }  // namespace

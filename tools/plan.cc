@@ -19,8 +19,11 @@
 //     request rate, one pass per period, and the replicas' events are
 //     interleaved by that common time. Replicas of a model run in phase, so
 //     their peaks coincide: the plan is for the worst case.
-//   * staggered: as concurrent, but replica r of a model's R starts r/R of a
-//     period late (requests out of phase: the replicas' peaks spread).
+//   * staggered: as concurrent, but replica r of a model starts frac(r * phi)
+//     of a period late (phi = 0.618..., the golden ratio's fraction: the
+//     first R offsets spread evenly over the period whatever R, and a plan
+//     with one more replica moves no other, so the plans a search compares
+//     are nested, as in phase).
 //   * churn[:resident=K,cycles=C]: load / serve / unload, as workload:churn.
 //     The replicas take turns, K loaded at once, C rounds: each load runs one
 //     pass of its trace, then the replica is unloaded (what it holds is
@@ -33,9 +36,10 @@
 // headroom, context memory, OOMs and the first OOM's report.
 //
 // --max-replicas[=NAME] searches, for each model (or NAME) while the others
-// stay as given, the largest replica count that fits, in each mode
-// (doubling, then bisection; a plan that fits with N replicas is assumed to
-// fit with fewer). It reports N and the first OOM of the plan with N + 1,
+// stay as given, the largest replica count N such that every count 1..N
+// fits, in each mode: each count is replayed up to kLinearScan (fitting is
+// not always monotone in the count), then doubling and bisection (the
+// answer is marked). It reports N and the first OOM of the plan with N + 1,
 // which the search replayed: both numbers are replays, not estimates.
 //
 // --suggest-budgets proposes, from one replay of each model alone on the
@@ -64,6 +68,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -105,9 +111,14 @@ namespace {
 
 constexpr std::uint64_t kGranule = 2ull << 20;
 constexpr int kMaxReplicas = 4096;
+// --max-replicas replays every count up to this one (then bisects).
+constexpr int kLinearScan = 64;
 // The most events a merged plan may replay (its trace is held in memory:
 // about 60 B per event, twice while it is built).
 constexpr std::uint64_t kMaxPlanEvents = 32'000'000;
+// A replay stops counting after this many failed allocations (the plan does
+// not fit; the count is then a lower bound, printed as "N+").
+constexpr std::int64_t kMaxCountedOoms = 100'000;
 
 std::uint64_t RoundUpGranule(std::uint64_t v) {
   return (v + kGranule - 1) / kGranule * kGranule;
@@ -144,8 +155,9 @@ void PrintPlanUsage(std::FILE* out) {
       "  --schedule S        concurrent (default: every replica runs its "
       "trace once, in phase,\n"
       "                      scaled to one common period),\n"
-      "                      staggered (the same, replica r of R starting r/R "
-      "of a period late)\n"
+      "                      staggered (the same, replica r starting "
+      "frac(r * 0.618) of a\n"
+      "                      period late: out of phase, evenly spread)\n"
       "                      or churn[:resident=K,cycles=C] (replicas take "
       "turns: K loaded at\n"
       "                      once, C rounds of load/serve/unload)\n"
@@ -185,8 +197,8 @@ struct ModelArg {
 
 struct Schedule {
   bool churn = false;
-  // Concurrent only: replica r of R starts r/R of a period late, so the
-  // replicas of a model do not peak together.
+  // Concurrent only: replica r starts frac(r * 0.618...) of a period late,
+  // so the replicas of a model do not peak together.
   bool staggered = false;
   int resident = 1;
   int cycles = 1;
@@ -213,6 +225,20 @@ struct Args {
   bool gpu = false;
 };
 
+// Non-printable bytes (a binary file's, newlines) as \xNN: one clean line.
+std::string Printable(absl::string_view text) {
+  std::string out;
+  for (char c : text) {
+    const unsigned char u = static_cast<unsigned char>(c);
+    if (u >= 0x20 && u < 0x7f) {
+      out += c;
+    } else {
+      absl::StrAppendFormat(&out, "\\x%02x", u);
+    }
+  }
+  return out;
+}
+
 int UsageError(const std::string& message) {
   std::fprintf(stderr, "ctxpool plan: %s\n", message.c_str());
   return 2;
@@ -228,6 +254,11 @@ absl::StatusOr<ModelArg> ParseModel(absl::string_view text) {
   }
   ModelArg m;
   m.name = std::string(text.substr(0, eq));
+  if (m.name.find('#') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model '", m.name,
+        "': a name may not hold '#' (replicas are named NAME#1, NAME#2, ...)"));
+  }
   std::vector<std::string> trace_parts;
   absl::flat_hash_set<std::string> seen;
   for (absl::string_view part :
@@ -267,9 +298,10 @@ absl::StatusOr<ModelArg> ParseModel(absl::string_view text) {
         // A session's 0 means "no limit": say so instead of taking it.
         if (*bytes == 0 && key != absl::string_view("min=")) {
           return absl::InvalidArgumentError(absl::StrCat(
-              "model '", m.name, "': ", key, "0 is no limit; leave ",
+              "model '", m.name, "': ", key, *v,
+              " is 0 bytes, which a session takes as no limit; leave ",
               absl::string_view(key).substr(0, std::strlen(key) - 1),
-              " out instead"));
+              " out for none"));
         }
         *slot = *bytes;
         budget = true;
@@ -364,8 +396,14 @@ int ParseArgs(int argc, char** argv, Args* a) {
         a->schedule.resident = 1;
         a->schedule.cycles = 2;
         if (s.size() > 6) {
+          absl::flat_hash_set<std::string> keys;
           for (absl::string_view kv : absl::StrSplit(s.substr(6), ',')) {
             int n = 0;
+            if (!keys.insert(std::string(kv.substr(0, kv.find('=')))).second) {
+              return UsageError(absl::StrCat("--schedule: '",
+                                             kv.substr(0, kv.find('=')),
+                                             "' given twice"));
+            }
             if (absl::StartsWith(kv, "resident=") &&
                 absl::SimpleAtoi(kv.substr(9), &n) && n >= 1) {
               a->schedule.resident = n;
@@ -447,16 +485,16 @@ int ParseArgs(int argc, char** argv, Args* a) {
         "--gpu replays on the real device: no --device or --capacity");
   }
   if (!a->svg.empty()) {
-    // Fail now, not after the replays: the file's folder must be writable
-    // (and the file, if it exists).
-    const std::size_t slash = a->svg.rfind('/');
-    const std::string dir = slash == std::string::npos ? "."
-                            : slash == 0               ? "/"
-                                         : a->svg.substr(0, slash);
-    if (access(dir.c_str(), W_OK) != 0 || (access(a->svg.c_str(), F_OK) == 0 &&
-                                           access(a->svg.c_str(), W_OK) != 0)) {
-      return UsageError(absl::StrCat("--svg ", a->svg, ": cannot write there"));
+    // Fail now, not after the replays: open the file for writing (without
+    // truncating it), and remove it again if it is new.
+    const bool existed = access(a->svg.c_str(), F_OK) == 0;
+    std::FILE* f = std::fopen(a->svg.c_str(), "a");
+    if (f == nullptr) {
+      return UsageError(absl::StrCat("--svg ", a->svg, ": cannot write there (",
+                                     std::strerror(errno), ")"));
     }
+    std::fclose(f);
+    if (!existed) std::remove(a->svg.c_str());
   }
   return 0;
 }
@@ -620,9 +658,12 @@ Merged Merge(const std::vector<ModelArg>& models, const Plan& plan,
     const auto [tenant, period] = instances[k];
     const Replica& replica = out.tenants[tenant - 1];
     const ModelArg& m = models[replica.model];
+    // Golden-ratio offsets depend on r only: adding a replica moves none.
+    constexpr double kPhi = 0.6180339887498949;
+    double whole = 0;
     const double offset =
         schedule.staggered
-            ? static_cast<double>(replica.index) / plan.replicas[replica.model]
+            ? std::modf(static_cast<double>(replica.index) * kPhi, &whole)
             : 0.0;
     for (std::uint32_t i = 0; i < m.trace.size(); ++i) {
       const TraceOp op = m.trace.events()[i].op;
@@ -708,6 +749,7 @@ absl::StatusOr<PlanOutcome> RunPlan(const std::vector<ModelArg>& models,
   options.per_tenant_samples = what.samples;
   options.max_samples = what.samples ? 400 : 1;
   options.stop_at_first_failure = what.stop_at_first_failure;
+  options.max_ooms = kMaxCountedOoms;
   options.spec = [&](std::uint32_t tenant) {
     const Replica& r = merged.tenants[tenant - 1];
     LoadSpec spec;
@@ -793,8 +835,13 @@ struct ReplicaSearch {
     // fitting: max is a lower bound.
     bool at_least = false;
     std::string limit;
+    // Counts above kLinearScan were bisected: the ones between were not
+    // each replayed.
+    bool bisected = false;
     // The plan with max + 1 replicas: who failed first and how (or, when
-    // that plan is refused before any replay, why: breaker_message).
+    // that plan is refused before any replay, why: breaker_message, with
+    // refused set).
+    bool refused = false;
     std::string breaker;
     std::int64_t breaker_ooms = 0;
     std::string breaker_message;
@@ -910,18 +957,36 @@ absl::StatusOr<ReplicaSearch> SearchReplicas(
       if (!ok) hi_outcome = std::move(o);
       return ok;
     };
-    // Doubling, then bisection between lo (fits) and hi (fails).
-    int lo = 0, hi = 1;
+    // Fitting is not always monotone in the count (placement is path
+    // dependent: a plan can fit with 44 replicas and not with 38), so every
+    // count from 1 is replayed while that is cheap and the answer is the
+    // first that fails, less one: each count up to it fits. Above
+    // kLinearScan: doubling, then bisection between lo (fits) and hi
+    // (fails), and the answer says it was bisected.
+    int lo = 0, hi = 0;
     bool capped = false;
-    while (true) {
-      CTXPOOL_ASSIGN_OR_RETURN(bool ok, fits(hi));
-      if (!ok) break;
-      lo = hi;
-      if (hi >= limit) {
-        capped = true;
+    for (int n = 1; n <= std::min(limit, kLinearScan); ++n) {
+      CTXPOOL_ASSIGN_OR_RETURN(bool ok, fits(n));
+      if (!ok) {
+        hi = n;
         break;
       }
-      hi = std::min(limit, hi * 2);
+      lo = n;
+    }
+    if (hi == 0 && lo >= limit) capped = true;
+    if (hi == 0 && !capped) {
+      s.bisected = true;
+      hi = lo;
+      while (true) {
+        hi = std::min(limit, hi * 2);
+        CTXPOOL_ASSIGN_OR_RETURN(bool ok, fits(hi));
+        if (!ok) break;
+        lo = hi;
+        if (hi >= limit) {
+          capped = true;
+          break;
+        }
+      }
     }
     if (capped) {
       s.max = lo;
@@ -968,6 +1033,7 @@ absl::StatusOr<ReplicaSearch> SearchReplicas(
       }
       s.breaker_ooms = run->result.ooms;
     } else {
+      s.refused = true;
       s.breaker = out.model;
       s.breaker_message = RefusePlan(models, with(breaking), schedule,
                                      device.spec.capacity_bytes,
@@ -995,6 +1061,9 @@ struct Suggestion {
   // The plan replayed with max one granule lower: this model's allocations
   // its max rejected (-1: not replayed).
   std::int64_t tighter_failures = 0;
+  // Non-empty: the model does not fit the device alone, so it has no
+  // suggestion (the fields above are 0) and keeps the budget it was given.
+  std::string error;
 };
 
 struct Suggestions {
@@ -1024,11 +1093,14 @@ absl::StatusOr<Suggestions> SuggestBudgets(
     CTXPOOL_ASSIGN_OR_RETURN(PlanOutcome o, RunPlan(models, alone, Schedule{},
                                                     device, allocator, what));
     if (!o.ctxpool.fits()) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "model '", s.model, "' does not fit on the device even alone: ",
-          o.ctxpool.result.first_oom
-              ? FirstLine(o.ctxpool.result.first_oom->message)
-              : ""));
+      s.error =
+          absl::StrCat("does not fit on the device even alone: ",
+                       o.ctxpool.result.first_oom
+                           ? FirstLine(o.ctxpool.result.first_oom->message)
+                           : "");
+      s.tighter_failures = -1;
+      out.models.push_back(std::move(s));
+      continue;
     }
     for (const auto& [tenant, t] : o.ctxpool.result.tenants) {
       s.peak_charged = std::max(s.peak_charged, t.peak_charged);
@@ -1062,6 +1134,7 @@ absl::StatusOr<Suggestions> SuggestBudgets(
   out.min_fits = out.min_sum + out.verified.ctxpool.result.context_bytes <=
                  out.verified.capacity;
   for (std::size_t m = 0; m < models.size(); ++m) {
+    if (!out.models[m].error.empty()) continue;
     Plan tighter = suggested;
     tighter.budgets[m].max_bytes = out.models[m].max - kGranule;
     if (*tighter.budgets[m].max_bytes == 0) {
@@ -1085,6 +1158,26 @@ absl::StatusOr<Suggestions> SuggestBudgets(
 }
 
 // ---- Output ----------------------------------------------------------------
+
+// `text` as one shell word: as is when it holds only safe characters, else
+// in single quotes.
+std::string ShellQuote(const std::string& text) {
+  const bool safe =
+      !text.empty() && std::all_of(text.begin(), text.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) ||
+               std::strchr("_-.,/:=+@%", c) != nullptr;
+      });
+  if (safe) return text;
+  std::string out = "'";
+  for (char c : text) {
+    if (c == '\'') {
+      out += "'\\''";
+    } else {
+      out += c;
+    }
+  }
+  return out + "'";
+}
 
 std::string Signed(std::uint64_t capacity, std::uint64_t used) {
   return used <= capacity ? FormatBytes(capacity - used)
@@ -1147,7 +1240,9 @@ std::string ModeJson(const std::vector<ModelArg>& models, const Plan& plan,
       static_cast<std::int64_t>(capacity) -
           static_cast<std::int64_t>(r.peak_device),
       ",\"contexts\":", r.contexts, ",\"context_bytes\":", r.context_bytes,
-      ",\"ooms\":", r.ooms, ",\"failed_loads\":", r.failed_loads,
+      ",\"ooms\":", r.ooms,
+      ",\"stopped_early\":", r.stopped_early ? "true" : "false",
+      ",\"failed_loads\":", r.failed_loads,
       ",\"budget_rejections\":", r.budget_rejections, ",\"first_oom\":", oom,
       ",\"models\":[", per_model, "]}");
 }
@@ -1172,7 +1267,14 @@ void PrintModes(const std::vector<ModelArg>& models, const Plan& plan,
                 Signed(o.capacity, r.peak_device).c_str(),
                 absl::StrCat(r.contexts).c_str(),
                 FormatBytes(r.context_bytes).c_str(),
-                absl::StrCat(r.ooms).c_str(), first.c_str());
+                absl::StrCat(r.ooms, r.stopped_early ? "+" : "").c_str(),
+                first.c_str());
+  }
+  if (o.today.result.stopped_early || o.ctxpool.result.stopped_early) {
+    std::printf(
+        "(+: the replay stopped after %d failed allocations; its figures "
+        "cover the events up to there)\n",
+        static_cast<int>(kMaxCountedOoms));
   }
 }
 
@@ -1242,7 +1344,9 @@ int RunPlan(int argc, char** argv) {
   }
   for (ModelArg& m : a.models) {
     absl::Status s = LoadModel(m);
-    if (!s.ok()) return UsageError(std::string(s.message()));
+    // Escaped: a binary file's bytes may be in the message, and it stays
+    // one line.
+    if (!s.ok()) return UsageError(Printable(s.message()));
   }
   // DeviceContext takes its backing from the option table: --config's
   // backing= goes there.
@@ -1345,15 +1449,17 @@ int RunPlan(int argc, char** argv) {
 
   if (a.json) {
     std::string models_json;
+    auto opt = [](const std::optional<std::uint64_t>& v) {  // null: not given
+      return v ? absl::StrCat(*v) : std::string("null");
+    };
     for (std::size_t m = 0; m < a.models.size(); ++m) {
       const ModelArg& x = a.models[m];
       absl::StrAppend(
           &models_json, m ? "," : "", "{\"name\":", JsonString(x.name),
           ",\"trace\":", JsonString(x.trace_spec), ",\"replicas\":", x.replicas,
           ",\"events\":", x.trace.size(), ",\"peak_live_bytes\":", x.peak_live,
-          ",\"streams\":", x.streams, ",\"min_bytes\":", x.min.value_or(0),
-          ",\"high_bytes\":", x.high.value_or(0),
-          ",\"max_bytes\":", x.max.value_or(0), "}");
+          ",\"streams\":", x.streams, ",\"min_bytes\":", opt(x.min),
+          ",\"high_bytes\":", opt(x.high), ",\"max_bytes\":", opt(x.max), "}");
     }
     std::string out =
         absl::StrCat("{\"device\":", JsonString(outcome->device),
@@ -1380,8 +1486,18 @@ int RunPlan(int argc, char** argv) {
               x.max < 0 ? std::string("null") : absl::StrCat(x.max),
               ",\"at_least\":", x.at_least ? "true" : "false",
               ",\"limit\":", x.at_least ? JsonString(x.limit) : "null",
+              ",\"refused\":", x.refused ? "true" : "false",
+              ",\"every_count_replayed\":", x.bisected ? "false" : "true",
               ",\"breaker\":", JsonString(x.breaker),
-              ",\"ooms_at_max_plus_1\":", x.breaker_ooms,
+              // The N + 1 plan's OOMs: null when it was not replayed (the
+              // search's limit, or refused by the min sum); with max null
+              // the plan without the model is the one replayed.
+              ",\"ooms_at_max_plus_1\":",
+              x.max >= 0 && !x.at_least && !x.refused
+                  ? absl::StrCat(x.breaker_ooms)
+                  : std::string("null"),
+              ",\"ooms_without_model\":",
+              x.max < 0 ? absl::StrCat(x.breaker_ooms) : std::string("null"),
               ",\"message\":", JsonString(x.breaker_message),
               ",\"replays\":", x.replays, "}");
         };
@@ -1396,12 +1512,18 @@ int RunPlan(int argc, char** argv) {
       out += ",\"suggested_budgets\":{\"models\":[";
       for (std::size_t i = 0; i < suggestions->models.size(); ++i) {
         const Suggestion& s = suggestions->models[i];
+        const bool ok = s.error.empty();
+        auto bytes = [ok](std::uint64_t v) {
+          return ok ? absl::StrCat(v) : std::string("null");
+        };
         absl::StrAppend(
             &out, i ? "," : "", "{\"model\":", JsonString(s.model),
-            ",\"min_bytes\":", s.min, ",\"high_bytes\":", s.high,
-            ",\"max_bytes\":", s.max, ",\"peak_live_bytes\":", s.peak_live,
-            ",\"peak_charged_bytes\":", s.peak_charged,
-            ",\"frontier_bytes\":", s.frontier,
+            ",\"error\":", ok ? "null" : JsonString(s.error),
+            ",\"min_bytes\":", bytes(s.min), ",\"high_bytes\":", bytes(s.high),
+            ",\"max_bytes\":", bytes(s.max),
+            ",\"peak_live_bytes\":", s.peak_live,
+            ",\"peak_charged_bytes\":", bytes(s.peak_charged),
+            ",\"frontier_bytes\":", bytes(s.frontier),
             ",\"rejections_with_max_minus_granule\":",
             s.tighter_failures < 0 ? std::string("null")
                                    : absl::StrCat(s.tighter_failures),
@@ -1447,7 +1569,7 @@ int RunPlan(int argc, char** argv) {
       "capacity - peak.\n");
   if (!searches.empty()) {
     std::printf(
-        "\nmax replicas (the others as given; each count and the "
+        "\nmax replicas (the others as given; every count up to it and the "
         "next one replayed):\n");
     const char* kFmt = "  %-16s %8s %8s  %s\n";
     std::printf(kFmt, "model", "ctxpool", "today",
@@ -1462,7 +1584,7 @@ int RunPlan(int argc, char** argv) {
             "ctxpool: the others do not fit even without %s (%d OOMs, first "
             "in %s)",
             s.model, c.breaker_ooms, c.breaker);
-      } else if (c.breaker_ooms == 0) {
+      } else if (c.refused) {
         why = absl::StrCat("ctxpool: refused: ", c.breaker_message);
       } else {
         why = absl::StrFormat("ctxpool: %d OOMs, first in %s: %s",
@@ -1471,10 +1593,21 @@ int RunPlan(int argc, char** argv) {
       if (why.size() > 150) why = why.substr(0, 147) + "...";
       auto count = [](const ReplicaSearch::Side& x) {
         if (x.max < 0) return std::string("none");
-        return absl::StrCat(x.max, x.at_least ? "+" : "");
+        return absl::StrCat(x.max, x.at_least ? "+" : "",
+                            x.bisected ? "*" : "");
       };
       std::printf(kFmt, s.model.c_str(), count(s.ctxpool).c_str(),
                   count(s.today).c_str(), why.c_str());
+    }
+    bool any_bisected = false;
+    for (const ReplicaSearch& s : searches) {
+      any_bisected |= s.ctxpool.bisected || s.today.bisected;
+    }
+    if (any_bisected) {
+      std::printf(
+          "  *: above %d replicas the count was bisected: the counts between "
+          "%d and it were\n     not each replayed\n",
+          kLinearScan, kLinearScan);
     }
   }
   if (suggestions) {
@@ -1484,6 +1617,12 @@ int RunPlan(int argc, char** argv) {
     const char* kFmt = "  %-16s %11s %11s %11s  %s\n";
     std::printf(kFmt, "model", "min", "high", "max", "max - 2 MiB");
     for (const Suggestion& s : suggestions->models) {
+      if (!s.error.empty()) {
+        std::string why = s.error;
+        if (why.size() > 120) why = why.substr(0, 117) + "...";
+        std::printf("  %-16s none: %s\n", s.model.c_str(), why.c_str());
+        continue;
+      }
       std::printf(kFmt, s.model.c_str(), FormatBytes(s.min).c_str(),
                   FormatBytes(s.high).c_str(), FormatBytes(s.max).c_str(),
                   s.tighter_failures < 0 ? "-"
@@ -1502,13 +1641,17 @@ int RunPlan(int argc, char** argv) {
     std::printf("  as flags:\n");
     for (std::size_t m = 0; m < a.models.size(); ++m) {
       const Suggestion& s = suggestions->models[m];
+      if (!s.error.empty()) continue;
       std::printf(
-          "    --model %s=%s,replicas=%d,min=%lluMiB,high=%lluMiB,"
-          "max=%lluMiB\n",
-          s.model.c_str(), a.models[m].trace_spec.c_str(), a.models[m].replicas,
-          static_cast<unsigned long long>(s.min >> 20),
-          static_cast<unsigned long long>(s.high >> 20),
-          static_cast<unsigned long long>(s.max >> 20));
+          "    --model %s\n",
+          ShellQuote(absl::StrFormat(
+                         "%s=%s,replicas=%d,min=%lluMiB,high=%lluMiB,"
+                         "max=%lluMiB",
+                         s.model, a.models[m].trace_spec, a.models[m].replicas,
+                         static_cast<unsigned long long>(s.min >> 20),
+                         static_cast<unsigned long long>(s.high >> 20),
+                         static_cast<unsigned long long>(s.max >> 20)))
+              .c_str());
     }
   }
   if (!suggestion_error.empty()) {

@@ -430,7 +430,8 @@ absl::StatusOr<ModeResult> RunMode(Mode& mode, const Trace& trace,
     if (options.progress && (i % progress_every == 0 || i + 1 == n)) {
       options.progress(i + 1, n);
     }
-    if (options.stop_at_first_failure && r.first_oom) {
+    if ((options.stop_at_first_failure && r.first_oom) ||
+        (options.max_ooms > 0 && r.ooms >= options.max_ooms)) {
       r.stopped_early = true;
       break;
     }

@@ -103,8 +103,8 @@ struct ModeResult {
     std::string message;
   };
   std::optional<Oom> first_oom;
-  // RunOptions::stop_at_first_failure ended the replay at first_oom: the
-  // counts cover the events up to it only.
+  // RunOptions::stop_at_first_failure or max_ooms ended the replay early:
+  // the counts cover the events up to there only.
   bool stopped_early = false;
   absl::flat_hash_map<std::uint32_t, TenantResult> tenants;
   std::vector<Sample> samples;
@@ -214,6 +214,10 @@ struct RunOptions {
   // Stop at the first failed allocation or load (a search needs only "fits
   // or not"; a plan far over the device would otherwise fail every event).
   bool stop_at_first_failure = false;
+  // Stop once this many allocations failed (0: never): a plan far over the
+  // device would spend its time counting failures. The count is then a
+  // lower bound (stopped_early).
+  std::int64_t max_ooms = 0;
   std::function<void(std::size_t, std::size_t)> progress;
 };
 

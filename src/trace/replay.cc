@@ -541,11 +541,17 @@ absl::StatusOr<CapacitySearch> FindMinCapacity(const Trace& trace,
 
 absl::Status ParseAllocatorConfig(absl::string_view text,
                                   DeviceAllocatorOptions* options) {
+  std::vector<absl::string_view> seen;
   for (absl::string_view kv : absl::StrSplit(text, ',', absl::SkipEmpty())) {
     std::pair<absl::string_view, absl::string_view> p =
         absl::StrSplit(kv, absl::MaxSplits('=', 1));
     const absl::string_view key = absl::StripAsciiWhitespace(p.first);
     const absl::string_view value = absl::StripAsciiWhitespace(p.second);
+    if (std::find(seen.begin(), seen.end(), key) != seen.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--config: '", key, "' given twice"));
+    }
+    seen.push_back(key);
     if (key == "backing") {
       if (value == "classic") {
         options->backing = BackingMode::kClassic;

@@ -585,6 +585,14 @@ absl::StatusOr<Trace> ReadTraceFile(const std::string& path,
     return absl::DataLossError(
         absl::StrCat("cannot read ", path, ": ", std::strerror(err)));
   }
+  // A pickle (protocol 2+ starts with 0x80): most likely a PyTorch memory
+  // snapshot, which the tools read once converted.
+  if (!text.empty() && static_cast<unsigned char>(text[0]) == 0x80) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path,
+        " is a Python pickle (a PyTorch memory snapshot?), not a trace: "
+        "convert it with tools/torch_snapshot_to_trace.py"));
+  }
   return ParseTrace(text, path, options);
 }
 
