@@ -622,6 +622,8 @@ int main(int argc, char** argv) {
   }
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
+  // A flag neither Benchmark nor this program knows is a typo: say so.
+  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
   if (absl::Status s = ctxpool::LoadWorkloads(); !s.ok()) {
     std::fprintf(stderr, "bench_fragmentation: %s\n", s.ToString().c_str());
     return 1;
@@ -650,8 +652,14 @@ int main(int argc, char** argv) {
       benchmark::CreateDefaultDisplayReporter());
   const bool console =
       dynamic_cast<benchmark::ConsoleReporter*>(display.get()) != nullptr;
-  benchmark::RunSpecifiedBenchmarks(display.get());
+  const std::size_t ran = benchmark::RunSpecifiedBenchmarks(display.get());
   benchmark::Shutdown();
+  if (ran == 0) {  // a --benchmark_filter that matches nothing
+    std::fprintf(stderr,
+                 "bench_fragmentation: no benchmark matches the filter "
+                 "(--benchmark_list_tests lists them)\n");
+    return 1;
+  }
   ctxpool::PrintTable(console ? stdout : stderr);
   return ctxpool::g_failed ? 1 : 0;
 }
