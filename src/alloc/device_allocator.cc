@@ -838,11 +838,10 @@ class CachingDeviceAllocator::Impl {
     TenantStats st;
     st.name = t.name;
     st.budget = t.budget;
-    for (const auto& [stream, ss] : streams_) {
-      if (ss->tenant != tenant) continue;
-      st.live_bytes += Current(ss->stats.allocated_bytes);
-      st.mapped_bytes += Current(ss->stats.reserved_bytes);
-      if (bound_.contains(stream)) ++st.num_streams;
+    st.live_bytes = TenantLive(tenant);
+    st.mapped_bytes = TenantMapped(tenant);
+    for (const StreamState* ss : t.streams) {
+      if (bound_.contains(ss->stream)) ++st.num_streams;
     }
     st.cached_bytes = st.mapped_bytes - st.live_bytes;
     st.peak_mapped_bytes = std::max(t.peak, st.mapped_bytes);
