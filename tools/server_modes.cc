@@ -22,12 +22,17 @@ namespace ctxpool::tool {
 TodayMode::~TodayMode() {
   for (auto& [tenant, m] : models_) {
     m.allocator.reset();
-    if (driver_.CtxPushCurrent(m.context).ok()) {
-      for (StreamHandle s : m.streams) (void)driver_.StreamDestroy(s);
-      (void)driver_.CtxPopCurrent();
-    }
-    (void)driver_.CtxDestroy(m.context);
+    DestroyContext(m.context, m.streams);
   }
+}
+
+void TodayMode::DestroyContext(ContextHandle context,
+                               const std::vector<StreamHandle>& streams) {
+  if (driver_.CtxPushCurrent(context).ok()) {
+    for (StreamHandle s : streams) (void)driver_.StreamDestroy(s);
+    (void)driver_.CtxPopCurrent();
+  }
+  (void)driver_.CtxDestroy(context);
 }
 
 absl::Status TodayMode::Load(std::uint32_t tenant, const LoadSpec& spec) {
@@ -58,24 +63,18 @@ absl::Status TodayMode::Load(std::uint32_t tenant, const LoadSpec& spec) {
       made = stream.status();
     }
   }
+  (void)driver_.CtxPopCurrent();
   if (!made.ok()) {
-    for (StreamHandle s : m.streams) (void)driver_.StreamDestroy(s);
-    (void)driver_.CtxPopCurrent();
-    (void)driver_.CtxDestroy(m.context);
+    DestroyContext(m.context, m.streams);
     return made;
   }
-  (void)driver_.CtxPopCurrent();
   context_bytes_ += before > after->free_bytes ? before - after->free_bytes : 0;
   DeviceAllocatorOptions options;
   options.context = m.context;
   absl::StatusOr<std::unique_ptr<CachingDeviceAllocator>> alloc =
       CachingDeviceAllocator::Create(driver_, 0, options);
   if (!alloc.ok()) {
-    if (driver_.CtxPushCurrent(m.context).ok()) {
-      for (StreamHandle s : m.streams) (void)driver_.StreamDestroy(s);
-      (void)driver_.CtxPopCurrent();
-    }
-    (void)driver_.CtxDestroy(m.context);
+    DestroyContext(m.context, m.streams);
     return alloc.status();
   }
   m.allocator = std::move(alloc).value();

@@ -167,6 +167,9 @@ class TodayMode final : public Mode {
     std::uint64_t physical = 0;  // allocator->PhysicalBytes(), kept current
   };
   void Refresh(PerModel& m);
+  // Destroys a model's streams (in its context) and its context.
+  void DestroyContext(ContextHandle context,
+                      const std::vector<StreamHandle>& streams);
   std::vector<std::pair<std::uint32_t, const PerModel*>> SortedModels() const;
 
   Driver& driver_;
