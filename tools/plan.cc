@@ -612,6 +612,12 @@ std::uint64_t MinSumAtOnce(const std::vector<ModelArg>& models,
   return most;
 }
 
+// Replica r (0-based) of a model with `replicas` of them: the model's name
+// alone, or NAME#k.
+std::string ReplicaName(const std::string& model, int r, int replicas) {
+  return replicas == 1 ? model : absl::StrCat(model, "#", r + 1);
+}
+
 struct Merged {
   Trace trace;
   std::vector<Replica> tenants;  // tenant id t is tenants[t - 1]
@@ -623,9 +629,7 @@ Merged Merge(const std::vector<ModelArg>& models, const Plan& plan,
   for (std::size_t m = 0; m < models.size(); ++m) {
     for (int r = 0; r < plan.replicas[m]; ++r) {
       out.tenants.push_back({static_cast<int>(m), r,
-                             plan.replicas[m] == 1
-                                 ? models[m].name
-                                 : absl::StrCat(models[m].name, "#", r + 1)});
+                             ReplicaName(models[m].name, r, plan.replicas[m])});
     }
   }
   // Instances: (tenant, first period).
@@ -799,10 +803,7 @@ std::string TenantName(const std::vector<ModelArg>& models, const Plan& plan,
   std::uint32_t t = 1;
   for (std::size_t m = 0; m < models.size(); ++m) {
     for (int r = 0; r < plan.replicas[m]; ++r, ++t) {
-      if (t == tenant) {
-        return plan.replicas[m] == 1 ? models[m].name
-                                     : absl::StrCat(models[m].name, "#", r + 1);
-      }
+      if (t == tenant) return ReplicaName(models[m].name, r, plan.replicas[m]);
     }
   }
   return absl::StrCat("tenant ", tenant);
@@ -902,32 +903,26 @@ absl::StatusOr<ReplicaSearch> SearchReplicas(
     p.replicas[m] = n;
     return p;
   };
-  // The largest count a plan may have (kMaxReplicas, or fewer when the
-  // merged trace would be too long), and whether the min sum refuses n.
+  // The largest count a plan may have: kMaxReplicas, or fewer when the
+  // merged trace would be too long (its events grow by `per` a replica; the
+  // plan as given is within the limit, so at least one replica is).
   int limit = kMaxReplicas;
   std::string limit_reason =
       absl::StrCat("the search stops at ", kMaxReplicas, " replicas");
-  while (limit > 1 &&
-         PlanEvents(models, with(limit), schedule) > kMaxPlanEvents) {
-    limit /= 2;
+  const std::uint64_t others = PlanEvents(models, with(0), schedule);
+  const std::uint64_t per = PlanEvents(models, with(1), schedule) - others;
+  if (per != 0 && (kMaxPlanEvents - others) / per < kMaxReplicas) {
+    limit = std::max<int>(1, static_cast<int>((kMaxPlanEvents - others) / per));
     limit_reason = absl::StrFormat(
         "the search stops where the plan would replay more than %d events",
         kMaxPlanEvents);
   }
-  if (limit < kMaxReplicas) {
-    // Refine to the exact largest count within the event limit.
-    int lo = limit, hi = limit * 2;
-    while (hi - lo > 1) {
-      const int mid = lo + (hi - lo) / 2;
-      (PlanEvents(models, with(mid), schedule) > kMaxPlanEvents ? hi : lo) =
-          mid;
-    }
-    limit = lo;
-  }
+  // Whether the plan with n replicas is refused (its min sum; within the
+  // limit nothing else refuses it).
   auto min_refuses = [&](int n) {
-    return MinSumAtOnce(models, with(n), schedule) +
-               device.spec.context_overhead_bytes >
-           device.spec.capacity_bytes;
+    return !RefusePlan(models, with(n), schedule, device.spec.capacity_bytes,
+                       device.spec.context_overhead_bytes)
+                .empty();
   };
   for (int side = 0; side < 2; ++side) {
     const bool pooled = side == 0;
@@ -945,7 +940,8 @@ absl::StatusOr<ReplicaSearch> SearchReplicas(
     auto run_of = [&](const PlanOutcome& o) -> const PlanRun& {
       return pooled ? o.ctxpool : o.today;
     };
-    // fits(n): nullopt when refused by the min sum (not replayed).
+    // fits(n); a failing replay is kept in hi_outcome (reset when the plan
+    // is refused, not replayed).
     std::optional<PlanOutcome> hi_outcome;
     auto fits = [&](int n) -> absl::StatusOr<bool> {
       if (pooled && min_refuses(n)) {
@@ -1092,14 +1088,17 @@ absl::StatusOr<Suggestions> SuggestBudgets(
     what.today = false;
     CTXPOOL_ASSIGN_OR_RETURN(PlanOutcome o, RunPlan(models, alone, Schedule{},
                                                     device, allocator, what));
-    if (!o.ctxpool.fits()) {
-      s.error =
-          absl::StrCat("does not fit on the device even alone: ",
-                       o.ctxpool.result.first_oom
-                           ? FirstLine(o.ctxpool.result.first_oom->message)
-                           : "");
+    // A model that fits nowhere has no suggestion (a result, not an error).
+    auto none = [&](std::string why) {
+      s.error = std::move(why);
       s.tighter_failures = -1;
       out.models.push_back(std::move(s));
+    };
+    if (!o.ctxpool.fits()) {
+      none(absl::StrCat("does not fit on the device even alone: ",
+                        o.ctxpool.result.first_oom
+                            ? FirstLine(o.ctxpool.result.first_oom->message)
+                            : ""));
       continue;
     }
     for (const auto& [tenant, t] : o.ctxpool.result.tenants) {
@@ -1112,8 +1111,15 @@ absl::StatusOr<Suggestions> SuggestBudgets(
     rc.capacity_bytes = device.spec.capacity_bytes;
     rc.allocator = allocator;
     rc.allocator.backing = EffectiveBacking();  // as DeviceContext's
-    CTXPOOL_ASSIGN_OR_RETURN(CapacitySearch f,
-                             FindMinCapacity(models[m].trace, rc));
+    absl::StatusOr<CapacitySearch> frontier =
+        FindMinCapacity(models[m].trace, rc);
+    if (!frontier.ok() &&
+        frontier.status().code() == absl::StatusCode::kResourceExhausted) {
+      none(absl::StrCat("no OOM frontier: ", frontier.status().message()));
+      continue;
+    }
+    CTXPOOL_RETURN_IF_ERROR(frontier.status());
+    const CapacitySearch& f = *frontier;
     s.frontier = f.min_capacity_bytes > f.context_overhead_bytes
                      ? f.min_capacity_bytes - f.context_overhead_bytes
                      : 0;
@@ -1409,19 +1415,15 @@ int RunPlan(int argc, char** argv) {
     }
   }
   std::optional<Suggestions> suggestions;
-  std::string suggestion_error;  // a model that fits nowhere: a result
   if (a.suggest) {
     absl::StatusOr<Suggestions> s =
         SuggestBudgets(a.models, plan, a.schedule, device, allocator);
-    if (s.ok()) {
-      suggestions = std::move(s).value();
-    } else if (s.status().code() == absl::StatusCode::kResourceExhausted) {
-      suggestion_error = std::string(s.status().message());
-    } else {
+    if (!s.ok()) {
       std::fprintf(stderr, "ctxpool plan: --suggest-budgets: %s\n",
                    s.status().ToString().c_str());
       return 1;
     }
+    suggestions = std::move(s).value();
   }
 
   if (!a.svg.empty()) {
@@ -1537,10 +1539,6 @@ int RunPlan(int argc, char** argv) {
           ",\"ooms\":", v.ooms, ",\"budget_rejections\":", v.budget_rejections,
           "}}");
     }
-    if (!suggestion_error.empty()) {
-      absl::StrAppend(&out, ",\"suggested_budgets\":{\"error\":",
-                      JsonString(suggestion_error), "}");
-    }
     absl::StrAppend(
         &out, ",\"svg\":", a.svg.empty() ? "null" : JsonString(a.svg), "}\n");
     std::fputs(out.c_str(), stdout);
@@ -1653,9 +1651,6 @@ int RunPlan(int argc, char** argv) {
                          static_cast<unsigned long long>(s.max >> 20)))
               .c_str());
     }
-  }
-  if (!suggestion_error.empty()) {
-    std::printf("\nsuggested budgets: none: %s\n", suggestion_error.c_str());
   }
   if (!a.svg.empty()) std::printf("\nmemory over time: %s\n", a.svg.c_str());
   return 0;
