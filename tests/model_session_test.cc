@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/context/device_context.h"
 #include "ctxpool/driver/sim_driver.h"
@@ -165,6 +166,31 @@ TEST_F(ModelSessionTest, CloseReportsLeaksNamingTheAllocationAndReclaims) {
   EXPECT_EQ(ds.leaked_bytes, 4096u);
   EXPECT_EQ(ds.streams_leased, 0);
   EXPECT_EQ(bert.Close().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ModelSessionTest, LiveAllocationTimesAreOnAbslClock) {
+  // The allocation time is taken from a coarse clock (one kernel tick, a few
+  // milliseconds): it lies within a tick of the calls around the Allocate,
+  // and later allocations are never older than earlier ones.
+  ModelSession& bert = Open("bert");
+  const std::int64_t before = absl::GetCurrentTimeNanos();
+  auto a = bert.Allocate(4096, bert.stream(0), "a");
+  absl::SleepFor(absl::Milliseconds(30));
+  auto b = bert.Allocate(4096, bert.stream(0), "b");
+  const std::int64_t after = absl::GetCurrentTimeNanos();
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::vector<LiveAllocation> live = bert.LiveAllocations();
+  ASSERT_EQ(live.size(), 2u);
+  std::int64_t at_a = 0, at_b = 0;
+  for (const LiveAllocation& l : live) {
+    (l.ptr == *a ? at_a : at_b) = l.allocated_at_ns;
+  }
+  constexpr std::int64_t kTick = 20'000'000;  // 20 ms: any kernel's tick
+  EXPECT_GE(at_a, before - kTick);
+  EXPECT_LE(at_b, after + kTick);
+  EXPECT_GE(at_b - at_a, 10'000'000);  // the 30 ms sleep shows
+  ASSERT_TRUE(bert.Deallocate(*a).ok());
+  ASSERT_TRUE(bert.Deallocate(*b).ok());
 }
 
 TEST_F(ModelSessionTest, CloseReturnsMemoryForTheNextSession) {

@@ -65,13 +65,10 @@
 // allocator's context current with ScopedContext.
 #include "ctxpool/alloc/device_allocator.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <x86intrin.h>
-#endif
+#include <time.h>
 
 #include <algorithm>
 #include <array>
-#include <chrono>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -206,19 +203,19 @@ struct alignas(64) OwnerRec {  // written on every owned call: a line of its own
   bool closed = false;
 };
 
-// The clock of Block::born_ticks: the CPU's time-stamp counter where there
-// is one (a few cycles, no system call, on the hot path of owned
-// allocations), converted to absl's clock only when a report asks.
-ABSL_ATTRIBUTE_ALWAYS_INLINE inline std::int64_t Ticks() {
-#if defined(__x86_64__) || defined(__i386__)
-  return static_cast<std::int64_t>(__rdtsc());
-#elif defined(__aarch64__)
-  std::int64_t v;
-  asm volatile("mrs %0, cntvct_el0" : "=r"(v));
-  return v;
-#else
-  return std::chrono::steady_clock::now().time_since_epoch().count();
+// The clock of Block::born_ns: absl's clock (ns since the Unix epoch),
+// read coarsely. The kernel's coarse real-time clock is one load from the
+// vDSO page with no time-stamp-counter read: ~4 ns where rdtsc costs ~11 ns
+// (a virtual machine's TSC) on the hot path of every owned allocation. Its
+// resolution is one kernel tick (1-10 ms), plenty for a leak report's age.
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline std::int64_t CoarseNowNs() {
+#if defined(__linux__) && defined(CLOCK_REALTIME_COARSE)
+  timespec ts;
+  if (ABSL_PREDICT_TRUE(clock_gettime(CLOCK_REALTIME_COARSE, &ts) == 0)) {
+    return static_cast<std::int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+  }
 #endif
+  return absl::GetCurrentTimeNanos();
 }
 
 // One event a pending-free block waits for.
@@ -1214,7 +1211,7 @@ class CachingDeviceAllocator::Impl {
     b->owner_data = next_owner_rec_;
     b->label = next_label_;
     if (next_owner_rec_ != nullptr) {
-      b->born_ticks = Ticks();
+      b->born_ns = CoarseNowNs();
       OwnerRec& o = *next_owner_rec_;
       o.live += Charge(requested);
       o.peak = std::max(o.peak, o.live);
@@ -1386,18 +1383,10 @@ class CachingDeviceAllocator::Impl {
     return st;
   }
 
-  // The live blocks of `owner`, by address, with their times on absl's
-  // clock (the tick rate measured since the allocator was created).
+  // The live blocks of `owner`, by address.
   std::vector<OwnedBlock> ListOwned(OwnerId owner) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::vector<OwnedBlock> out;
-    const std::int64_t now_ticks = Ticks();
-    const std::int64_t now_ns = absl::GetCurrentTimeNanos();
-    const double ns_per_tick =
-        now_ticks > born_ticks_
-            ? static_cast<double>(now_ns - born_ns_) /
-                  static_cast<double>(now_ticks - born_ticks_)
-            : 1.0;
     for (const auto& [address, b] : live_) {
       if (b->owner != owner) continue;
       OwnedBlock ob;
@@ -1406,10 +1395,7 @@ class CachingDeviceAllocator::Impl {
       ob.charged_bytes = Charge(b->requested);
       ob.stream = StreamHandle(b->segment->stream);
       ob.label = b->label;
-      ob.allocated_at_ns =
-          now_ns -
-          static_cast<std::int64_t>(
-              static_cast<double>(now_ticks - b->born_ticks) * ns_per_tick);
+      ob.allocated_at_ns = b->born_ns;
       out.push_back(ob);
     }
     std::sort(
@@ -2876,9 +2862,6 @@ class CachingDeviceAllocator::Impl {
   OwnerId next_owner_ ABSL_GUARDED_BY(mu_) = kNoOwner;
   OwnerRec* next_owner_rec_ ABSL_GUARDED_BY(mu_) = nullptr;
   const char* next_label_ ABSL_GUARDED_BY(mu_) = nullptr;
-  // Block::born_ticks -> absl's clock (ListOwned).
-  const std::int64_t born_ticks_ = Ticks();
-  const std::int64_t born_ns_ = absl::GetCurrentTimeNanos();
 };
 
 namespace {

@@ -363,9 +363,10 @@ struct OwnedBlock {
   DevicePtr ptr;
   std::size_t requested_bytes = 0;
   std::size_t charged_bytes = 0;
-  StreamHandle stream;               // allocation stream
-  const char* label = nullptr;       // as given to Allocate
-  std::int64_t allocated_at_ns = 0;  // absl::GetCurrentTimeNanos() clock
+  StreamHandle stream;          // allocation stream
+  const char* label = nullptr;  // as given to Allocate
+  // absl::GetCurrentTimeNanos() clock, to one kernel tick (a few ms)
+  std::int64_t allocated_at_ns = 0;
 };
 
 struct BlockInfo {

@@ -58,11 +58,11 @@ struct Block : FreeIndexNode {
   int pending_events = 0;
   // Allocated blocks: who asked for it (an allocator's owner id, 0: none,
   // and the allocator's record of that owner, opaque here), its label, and
-  // when (in the allocator's tick clock).
+  // when (ns on absl's clock, coarse: see the allocator).
   std::uint32_t owner = 0;
   void* owner_data = nullptr;
   const char* label = nullptr;
-  std::int64_t born_ticks = 0;
+  std::int64_t born_ns = 0;
   // Streams other than the owner that used the block (RecordStream).
   absl::InlinedVector<std::uint64_t, 2> stream_uses;
 
