@@ -90,6 +90,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "classic_backing.h"
 #include "ctxpool/core/block.h"
 #include "ctxpool/core/fork_guard.h"
@@ -206,8 +207,9 @@ struct alignas(64) OwnerRec {  // written on every owned call: a line of its own
 // The clock of Block::born_ns: absl's clock (ns since the Unix epoch),
 // read coarsely. The kernel's coarse real-time clock is one load from the
 // vDSO page with no time-stamp-counter read: ~4 ns where rdtsc costs ~11 ns
-// (a virtual machine's TSC) on the hot path of every owned allocation. Its
-// resolution is one kernel tick (1-10 ms), plenty for a leak report's age.
+// (a virtual machine's TSC) on the hot path of every owned allocation. It
+// trails GetCurrentTimeNanos() by 0 to a few kernel ticks (milliseconds) and
+// never leads it: plenty for a leak report's age.
 ABSL_ATTRIBUTE_ALWAYS_INLINE inline std::int64_t CoarseNowNs() {
 #if defined(__linux__) && defined(CLOCK_REALTIME_COARSE)
   timespec ts;

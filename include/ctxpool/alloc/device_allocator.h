@@ -365,7 +365,8 @@ struct OwnedBlock {
   std::size_t charged_bytes = 0;
   StreamHandle stream;          // allocation stream
   const char* label = nullptr;  // as given to Allocate
-  // absl::GetCurrentTimeNanos() clock, to one kernel tick (a few ms)
+  // absl::GetCurrentTimeNanos() clock, read coarsely: 0 to a few kernel
+  // ticks (milliseconds) early, never late
   std::int64_t allocated_at_ns = 0;
 };
 

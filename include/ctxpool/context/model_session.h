@@ -100,8 +100,9 @@ struct LiveAllocation {
   std::size_t bytes = 0;    // as requested
   std::size_t charged = 0;  // counted against the budget
   StreamHandle stream;
-  std::int64_t allocated_at_ns = 0;  // absl::GetCurrentTimeNanos(), +-1 tick
-  const char* label = nullptr;       // the caller's name for it, or null
+  // absl::GetCurrentTimeNanos() clock, 0 to a few kernel ticks early
+  std::int64_t allocated_at_ns = 0;
+  const char* label = nullptr;  // the caller's name for it, or null
   // "bert: 4096 B 'kv_cache' at 0x7f0000200000 on stream 0x1, age 1.2ms"
   std::string ToString(absl::string_view model, std::int64_t now_ns) const;
 };
