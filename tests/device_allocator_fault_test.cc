@@ -194,7 +194,9 @@ TEST_P(DeviceAllocatorFaultTest, RetiredStreamSegmentMovesByItsEvent) {
   ASSERT_TRUE(alloc_->RetireStream(s3).ok());
   const std::uint64_t syncs = test::SyncCalls(*sim_);
   const DevicePtr q = Alloc(4 * kMiB, a1_);  // ordered after s3's kernel
-  if (!expandable()) EXPECT_EQ(q, p);
+  if (!expandable()) {
+    EXPECT_EQ(q, p);
+  }
   EXPECT_EQ(test::SyncCalls(*sim_), syncs);
   sim_->Release(s3);
   ASSERT_TRUE(sim_->StreamDestroy(s3).ok());
@@ -236,7 +238,9 @@ TEST_P(DeviceAllocatorFaultTest, FailedSetAccessRollsTheMapBack) {
   sim_->InjectFault(SimCall::kMemUnmap, 1, cu::kErrorUnknown);
   const std::size_t small = 1000;
   absl::StatusOr<DevicePtr> failed = alloc_->Allocate(small, a1_);
-  if (expandable()) EXPECT_FALSE(failed.ok());
+  if (expandable()) {
+    EXPECT_FALSE(failed.ok());
+  }
   if (failed.ok()) Free(*failed);
   sim_->InjectFault(SimCall::kMemSetAccess, 0, 0);
   sim_->InjectFault(SimCall::kMemUnmap, 0, 0);

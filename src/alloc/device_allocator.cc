@@ -65,8 +65,6 @@
 // allocator's context current with ScopedContext.
 #include "ctxpool/alloc/device_allocator.h"
 
-#include <time.h>
-
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -96,6 +94,7 @@
 #include "ctxpool/core/fork_guard.h"
 #include "ctxpool/core/fragmentation.h"
 #include "ctxpool/core/free_index.h"
+#include "ctxpool/core/internal/coarse_clock.h"
 #include "ctxpool/core/internal/spin_lock.h"
 #include "ctxpool/core/segment.h"
 #include "ctxpool/core/size_classes.h"
@@ -204,21 +203,9 @@ struct alignas(64) OwnerRec {  // written on every owned call: a line of its own
   bool closed = false;
 };
 
-// The clock of Block::born_ns: absl's clock (ns since the Unix epoch),
-// read coarsely. The kernel's coarse real-time clock is one load from the
-// vDSO page with no time-stamp-counter read: ~4 ns where rdtsc costs ~11 ns
-// (a virtual machine's TSC) on the hot path of every owned allocation. It
-// trails GetCurrentTimeNanos() by 0 to a few kernel ticks (milliseconds) and
-// never leads it: plenty for a leak report's age.
-ABSL_ATTRIBUTE_ALWAYS_INLINE inline std::int64_t CoarseNowNs() {
-#if defined(__linux__) && defined(CLOCK_REALTIME_COARSE)
-  timespec ts;
-  if (ABSL_PREDICT_TRUE(clock_gettime(CLOCK_REALTIME_COARSE, &ts) == 0)) {
-    return static_cast<std::int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-  }
-#endif
-  return absl::GetCurrentTimeNanos();
-}
+// Block::born_ns is stamped from core_internal::CoarseNowNs()
+// (ctxpool/core/internal/coarse_clock.h): absl's clock, read coarsely.
+using core_internal::CoarseNowNs;
 
 // One event a pending-free block waits for.
 struct PendingEvent {

@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/context/device_context.h"
+#include "ctxpool/core/internal/coarse_clock.h"
 #include "ctxpool/status.h"
 
 namespace ctxpool {
@@ -44,7 +45,9 @@ std::string LiveAllocation::ToString(absl::string_view model,
   if (label != nullptr) absl::StrAppend(&out, " '", label, "'");
   absl::StrAppendFormat(
       &out, " at 0x%x on stream 0x%x, age %s", ptr.address(), stream.value(),
-      absl::FormatDuration(absl::Nanoseconds(now_ns - allocated_at_ns)));
+      // A wall-clock step back can put `now_ns` before the stamp: age 0.
+      absl::FormatDuration(absl::Nanoseconds(
+          std::max<std::int64_t>(0, now_ns - allocated_at_ns))));
   return out;
 }
 
@@ -269,7 +272,9 @@ absl::Status ModelSession::CloseImpl(bool from_destructor) {
   if (!leaks.empty()) {
     absl::StrAppend(&msg, " with ", leaks.size(), " leaked allocation(s), ",
                     leaked_bytes, " B (reclaimed):");
-    const std::int64_t now = absl::GetCurrentTimeNanos();
+    // The clock of the stamps, so a fresh leak's age is not the lag between
+    // the coarse and the fine clock.
+    const std::int64_t now = core_internal::CoarseNowNs();
     for (std::size_t i = 0; i < leaks.size() && i < kMaxLeaksListed; ++i) {
       absl::StrAppend(
           &msg, "\n  leak: ", ToLiveAllocation(leaks[i]).ToString(name_, now));
