@@ -203,10 +203,6 @@ struct alignas(64) OwnerRec {  // written on every owned call: a line of its own
   bool closed = false;
 };
 
-// Block::born_ns is stamped from core_internal::CoarseNowNs()
-// (ctxpool/core/internal/coarse_clock.h): absl's clock, read coarsely.
-using core_internal::CoarseNowNs;
-
 // One event a pending-free block waits for.
 struct PendingEvent {
   Block* block;
@@ -1200,7 +1196,7 @@ class CachingDeviceAllocator::Impl {
     b->owner_data = next_owner_rec_;
     b->label = next_label_;
     if (next_owner_rec_ != nullptr) {
-      b->born_ns = CoarseNowNs();
+      b->born_ns = core_internal::CoarseNowNs();
       OwnerRec& o = *next_owner_rec_;
       o.live += Charge(requested);
       o.peak = std::max(o.peak, o.live);

@@ -103,7 +103,11 @@ struct LiveAllocation {
   // absl::GetCurrentTimeNanos() clock, 0 to a few kernel ticks early
   std::int64_t allocated_at_ns = 0;
   const char* label = nullptr;  // the caller's name for it, or null
-  // "bert: 4096 B 'kv_cache' at 0x7f0000200000 on stream 0x1, age 1.2ms"
+  // "bert: 4096 B 'kv_cache' at 0x7f0000200000 on stream 0x1, age 1.2ms".
+  // The age is now_ns - allocated_at_ns, at least 0.
+  // absl::GetCurrentTimeNanos() works; the stamp trails it by up to a few
+  // ticks, which then shows in a fresh allocation's age (Close reads the
+  // stamps' own coarse clock).
   std::string ToString(absl::string_view model, std::int64_t now_ns) const;
 };
 
