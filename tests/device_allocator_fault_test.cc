@@ -345,29 +345,37 @@ TEST_F(StuckPieceTest, UnknownErrorsToo) {
 }
 
 // Decay releases only what has been cached for idle_release_after: a stale
-// chunk pinned by a mapped granule stays, and fresh chunks are not taken in
-// its place.
+// physical allocation pinned by a mapped granule stays, and fresh ones are
+// not released in its place.
 class DecayPinnedTest : public test::DeviceAllocatorFixture {};
 
-TEST_F(DecayPinnedTest, DecayNeverReleasesFreshChunks) {
+TEST_F(DecayPinnedTest, DecayNeverReleasesFreshAllocations) {
   DeviceAllocatorOptions o;
   o.backing = BackingMode::kExpandable;
-  o.vmm_chunk_bytes = 8 * kMiB;
   o.idle_release_after = absl::Seconds(10);
-  InitAllocator(1 * kGiB, o);
-  DevicePtr a = Alloc(12 * kMiB, a1_);  // single, 4-granule chunk, single
-  DevicePtr e = Alloc(12 * kMiB, a2_);
+  // 80 GiB: units of 32 granules (64 MiB, 1/1024 of the headroom).
+  InitAllocator(80 * kGiB, o);
+  DevicePtr e = Alloc(128 * kMiB, a2_);  // two units
+  DevicePtr a = Alloc(64 * kMiB, a1_);   // one unit, A
   Free(a);
-  DevicePtr b = Alloc(4 * kMiB, a1_);    // keeps a granule of a's chunk mapped
-  ASSERT_TRUE(alloc_->Trim(kGiB).ok());  // a's rest cached at t=0
+  ASSERT_TRUE(alloc_->Trim(kGiB).ok());  // A cached whole at t=0
+  ASSERT_EQ(alloc_->Stats().granule_cache_bytes, 64 * kMiB);
+  DevicePtr b = Alloc(4 * kMiB, a1_);  // maps 8 granules of A (16 MiB ahead)
+  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 48 * kMiB);
   now_ += absl::Seconds(20);
   Free(e);
-  ASSERT_TRUE(alloc_->Trim(kGiB).ok());  // e's granules cached at t=20
-  now_ += absl::Seconds(5);              // t=25: only a's single is stale
+  ASSERT_TRUE(alloc_->Trim(kGiB).ok());  // e's units cached at t=20
+  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 176 * kMiB);
+  now_ += absl::Seconds(5);  // t=25: only A's rest is stale, and A is pinned
   absl::StatusOr<TrimResult> r = alloc_->TrimIdle();
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->freed_bytes, 2 * kMiB);
-  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 18 * kMiB);
+  EXPECT_EQ(r->freed_bytes, 0u);
+  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 176 * kMiB);
+  now_ += absl::Seconds(10);  // t=35: e's units are stale too
+  r = alloc_->TrimIdle();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->freed_bytes, 128 * kMiB);
+  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 48 * kMiB);
   EXPECT_TRUE(alloc_->CheckInvariants().ok());
   Free(b);
 }

@@ -292,15 +292,20 @@ TEST_F(VmmTest, SteadyStateTargets) {
 }
 
 // An alloc/free loop of one size on a warm allocator makes no driver call
-// at all, in both pools.
+// at all, in both pools, with single granules (1 GiB device) and with
+// multi-granule units (80 GiB).
 TEST_F(VmmTest, WarmLoopMakesNoDriverCall) {
-  for (std::size_t bytes : {std::size_t{4096}, 3 * kMiB, 100 * kMiB}) {
-    Free(Alloc(bytes, a1_));
-    const std::uint64_t before = sim_->total_call_count();
-    for (int i = 0; i < 1000; ++i) Free(Alloc(bytes, a1_));
-    EXPECT_EQ(sim_->total_call_count() - before, 0u) << bytes << " bytes";
+  for (std::size_t capacity : {1 * kGiB, 80 * kGiB}) {
+    Init({}, capacity);
+    for (std::size_t bytes : {std::size_t{4096}, 3 * kMiB, 100 * kMiB}) {
+      Free(Alloc(bytes, a1_));
+      const std::uint64_t before = sim_->total_call_count();
+      for (int i = 0; i < 1000; ++i) Free(Alloc(bytes, a1_));
+      EXPECT_EQ(sim_->total_call_count() - before, 0u)
+          << bytes << " bytes on " << capacity << " bytes";
+    }
+    EXPECT_TRUE(alloc_->CheckInvariants().ok());
   }
-  EXPECT_TRUE(alloc_->CheckInvariants().ok());
 }
 
 // A new request that fits no mapped free block maps only the granules it
@@ -379,52 +384,56 @@ TEST_F(VmmTest, DeviceLimitCompactsInsteadOfFailing) {
   for (const auto& [p, s] : mix.live()) free(p);
 }
 
-// A 1 GiB tensor on a cold allocator: 18 physical allocations (a single
-// granule at each end, 64 MiB chunks between), one cuMemMap per granule
-// (each moves on its own under pressure) and one cuMemSetAccess.
-TEST_F(VmmTest, ColdLargeTensorComesInChunks) {
-  Init({}, 8 * kGiB);
+// A 1 GiB tensor on a cold 80 GiB allocator comes in units of 64 MiB (a
+// power of two granules at most 1/1024 of the headroom): 16 cuMemCreate, 16
+// cuMemMap, one cuMemSetAccess; Trim unmaps and releases unit by unit.
+TEST_F(VmmTest, ColdLargeTensorComesInUnits) {
+  Init({}, 80 * kGiB);
   DevicePtr p = Alloc(1 * kGiB, a1_);
-  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 1u + 16u + 1u);
-  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 512u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 16u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 16u);
   EXPECT_EQ(sim_->call_count(SimCall::kMemSetAccess), 1u);
+  EXPECT_EQ(Reserved(), 1 * kGiB);
   EXPECT_TRUE(alloc_->CheckInvariants().ok());
   Free(p);
   ASSERT_TRUE(alloc_->Trim(0).ok());
-  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 18u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemUnmap), 16u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 16u);
   EXPECT_EQ(sim_->used_bytes(0), sim_->context_bytes(0));
 }
 
-// vmm_map_whole_chunks maps each physical allocation with one cuMemMap.
-TEST_F(VmmTest, WholeChunkMappingMapsEachChunkOnce) {
+// Near the limit (here memory_limit_bytes, 64 MiB above the tensor) units
+// are single granules, so that each can move on its own under pressure; so
+// they are with vmm_unit_divisor 0.
+TEST_F(VmmTest, UnitsAreSingleGranulesNearTheLimit) {
   DeviceAllocatorOptions o;
-  o.vmm_map_whole_chunks = true;
-  Init(o, 8 * kGiB);
-  DevicePtr p = Alloc(1 * kGiB, a1_);
-  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 18u);
-  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 18u);
-  Free(p);
-  // Trim unmaps whole mappings only, and releases all of them.
-  ASSERT_TRUE(alloc_->Trim(0).ok());
-  EXPECT_EQ(sim_->call_count(SimCall::kMemUnmap), 18u);
-  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 18u);
-  EXPECT_EQ(Reserved(), 0u);
-  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  o.memory_limit_bytes = 1 * kGiB + 64 * kMiB;
+  Init(o, 80 * kGiB);
+  Free(Alloc(1 * kGiB, a1_));
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 512u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 512u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemSetAccess), 1u);
+  DeviceAllocatorOptions single;
+  single.vmm_unit_divisor = 0;
+  Init(single, 80 * kGiB);
+  Free(Alloc(64 * kMiB, a1_));
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 32u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 32u);
 }
 
-// A physical allocation is freed only whole: a live block on part of a
-// chunk keeps the chunk's cached rest until it is freed too; reusing that
-// rest needs no new memory.
-TEST_F(VmmTest, TrimReleasesChunksOnlyWhenWhollyUnmapped) {
-  Init({}, 8 * kGiB);
+// A unit is freed only whole: a live block on part of a unit keeps the unit
+// mapped (its free rest serves the stream without new memory) and Trim
+// gives back the others.
+TEST_F(VmmTest, TrimReleasesUnitsOnlyWhenWhollyFree) {
+  Init({}, 80 * kGiB);
   Free(Alloc(1 * kGiB, a1_));
-  DevicePtr small = Alloc(10 * kMiB, a1_);  // lands at the chunks' start
+  DevicePtr small = Alloc(10 * kMiB, a1_);  // at the start of unit 0
   ASSERT_TRUE(alloc_->Trim(0).ok());
-  const std::size_t cached = alloc_->Stats().granule_cache_bytes;
-  EXPECT_GT(cached, 0u);
-  EXPECT_LE(cached, 64 * kMiB);  // at most one chunk's rest
+  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 0u);
+  EXPECT_EQ(Reserved(), 64 * kMiB);  // the pinned unit
+  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 15u);
   const std::uint64_t creates = sim_->call_count(SimCall::kMemCreate);
-  DevicePtr again = Alloc(cached, a2_);  // the cached rest, mapped again
+  DevicePtr again = Alloc(40 * kMiB, a1_);  // in the unit's free rest
   EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), creates);
   Free(again);
   Free(small);

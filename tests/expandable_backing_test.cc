@@ -1,5 +1,5 @@
 // Tests of the expandable backing on its own (src/alloc/expandable_backing.h):
-// runs, chunks, pieces, the cache, release, decay, the limit and the
+// runs, units, pieces, the cache, release, decay, the limit and the
 // rollback of a failed map. The allocator on top is tested in
 // device_allocator_vmm_test.cc.
 #include "../src/alloc/expandable_backing.h"
@@ -71,55 +71,110 @@ class ExpandableBackingTest : public ::testing::Test {
   std::vector<StuckPiece> stuck_;
 };
 
-// A large run: single granules at both ends, chunks between; one mapping
-// per granule; a chunk is released only once none of it is mapped.
-TEST_F(ExpandableBackingTest, LargeRunsComeInChunksReleasedWhole) {
-  Init({.chunk_bytes = 16 * kMiB});
-  ASSERT_TRUE(vmm_->MapRun(r_, 0, 40, /*small=*/false, &stuck_).ok());
-  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 1u + 5u + 1u);
-  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 40u);
+// Units follow the headroom: 1/unit_divisor of what is left, a power of two
+// granules, single granules when little is left or with unit_divisor 0.
+TEST_F(ExpandableBackingTest, UnitsFollowTheHeadroom) {
+  Init({.unit_divisor = 4, .capacity_bytes = 256 * kMiB});
+  EXPECT_EQ(vmm_->UnitGranules(0), 32u);   // 64 MiB of 256
+  EXPECT_EQ(vmm_->UnitGranules(1), 16u);   // 254 / 4 = 63.5 MiB: 31 -> 16
+  EXPECT_EQ(vmm_->UnitGranules(96), 8u);   // 64 / 4 = 16 MiB
+  EXPECT_EQ(vmm_->UnitGranules(124), 1u);  // 8 / 4 = 2 MiB
+  EXPECT_EQ(vmm_->UnitGranules(200), 1u);  // past the capacity
+  vmm_.reset();
+  Init({.unit_divisor = 0, .capacity_bytes = 256 * kMiB});
+  EXPECT_EQ(vmm_->UnitGranules(0), 1u);
+  vmm_.reset();
+  // A limit replaces the capacity.
+  Init({.unit_divisor = 1,
+        .memory_limit_bytes = 32 * kMiB,
+        .capacity_bytes = 256 * kMiB});
+  EXPECT_EQ(vmm_->UnitGranules(0), 16u);
+  vmm_.reset();
+}
+
+// A run comes in units from its start: one cuMemCreate and one cuMemMap per
+// unit (the last one what is left), one cuMemSetAccess for the run; each
+// unit unmaps and is released on its own.
+TEST_F(ExpandableBackingTest, RunsComeInUnits) {
+  // 80 GiB capacity, divisor 1280: a unit is at most 64 MiB less a bit,
+  // 31.9 granules: 16 (a power of two).
+  Init({.unit_divisor = 1280, .capacity_bytes = 80 * 1024 * kMiB});
+  ASSERT_EQ(vmm_->UnitGranules(70), 16u);
+  // Granules [8, 78): [8, 24) [24, 40) [40, 56) [56, 72) [72, 78).
+  ASSERT_TRUE(vmm_->MapRun(r_, 8, 70, &stuck_).ok());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 5u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 5u);
   EXPECT_EQ(sim_->call_count(SimCall::kMemSetAccess), 1u);
-  EXPECT_EQ(vmm_->mapped_bytes(), 40 * kGranule);
-  EXPECT_EQ(Physical(), 40 * kGranule);
+  EXPECT_EQ(vmm_->mapped_bytes(), 70 * kGranule);
+  EXPECT_EQ(Physical(), 70 * kGranule);
+  EXPECT_TRUE(r_->IsStart(8));
+  EXPECT_TRUE(r_->IsStart(24));
+  EXPECT_FALSE(r_->IsStart(16));
+  EXPECT_EQ(r_->PieceEnd(20, 1000), 24u);
+  EXPECT_EQ(r_->PieceEnd(74, 76), 76u);
+  EXPECT_EQ(r_->CountMapped(0, 20), 12u);
+  EXPECT_EQ(r_->Offset(30), 6u);
   std::size_t n = 0;
-  ASSERT_TRUE(vmm_->UnmapPiece(r_, 5, &n).ok());
-  EXPECT_EQ(n, 1u);
-  EXPECT_EQ(vmm_->cache_bytes(), kGranule);
+  EXPECT_FALSE(vmm_->UnmapPiece(r_, 17, &n).ok());  // not a mapping's start
+  ASSERT_TRUE(vmm_->UnmapPiece(r_, 24, &n).ok());
+  EXPECT_EQ(n, 16u);
+  EXPECT_FALSE(r_->IsMapped(30));
+  EXPECT_EQ(vmm_->cache_bytes(), 16 * kGranule);
   std::size_t freed = 0;
   ASSERT_TRUE(vmm_->Release(0, &freed).ok());
-  EXPECT_EQ(freed, 0u);  // its chunk is still mapped elsewhere
-  EXPECT_EQ(vmm_->cache_bytes(), kGranule);
+  EXPECT_EQ(freed, 16 * kGranule);  // a unit is its own allocation
   UnmapAll();
   ASSERT_TRUE(vmm_->Release(0, &freed).ok());
-  EXPECT_EQ(freed, 40 * kGranule);
-  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 7u);
+  EXPECT_EQ(freed, 70 * kGranule);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 5u);
   EXPECT_EQ(Physical(), 0u);
   ASSERT_TRUE(vmm_->Unreserve(r_).ok());
   vmm_.reset();
 }
 
-// Cached pieces serve a new run before any create, split when larger.
-TEST_F(ExpandableBackingTest, CachedPiecesServeFirstAndSplit) {
-  Init({.chunk_bytes = 16 * kMiB});
-  ASSERT_TRUE(vmm_->MapRun(r_, 0, 10, false, &stuck_).ok());
+// Single granules (unit_divisor 0): one create and one map per granule.
+TEST_F(ExpandableBackingTest, SingleGranulesWithoutUnits) {
+  Init({.unit_divisor = 0, .capacity_bytes = 80 * 1024 * kMiB});
+  ASSERT_TRUE(vmm_->MapRun(r_, 0, 5, &stuck_).ok());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 5u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 5u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemSetAccess), 1u);
   UnmapAll();
-  const std::uint64_t creates = sim_->call_count(SimCall::kMemCreate);
-  ASSERT_TRUE(vmm_->MapRun(r_, 100, 3, false, &stuck_).ok());
-  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), creates);
-  EXPECT_EQ(vmm_->cache_bytes(), 7 * kGranule);
-  EXPECT_TRUE(vmm_->CheckInvariants(vmm_->mapped_bytes()).ok());
+  ASSERT_TRUE(vmm_->Release(0, nullptr).ok());
+  EXPECT_EQ(Physical(), 0u);
 }
 
-// map_whole_chunks: one cuMemMap per piece, and a piece unmaps whole.
-TEST_F(ExpandableBackingTest, WholeChunksMapAndUnmapAsOne) {
-  Init({.chunk_bytes = 16 * kMiB, .map_whole_chunks = true});
-  ASSERT_TRUE(vmm_->MapRun(r_, 0, 10, false, &stuck_).ok());
-  EXPECT_EQ(sim_->call_count(SimCall::kMemMap),
-            sim_->call_count(SimCall::kMemCreate));
-  std::size_t n = 0;
-  ASSERT_TRUE(vmm_->UnmapPiece(r_, 1, &n).ok());
-  EXPECT_EQ(n, 8u);                                // granules 1-8: one chunk
-  EXPECT_FALSE(vmm_->UnmapPiece(r_, 2, &n).ok());  // no mapping starts there
+// Cached pieces serve a new run before any create, split when larger; a
+// piece larger than the unit is mapped in units, and its allocation is
+// released only once none of it is mapped.
+TEST_F(ExpandableBackingTest, CachedPiecesServeFirstAndSplit) {
+  Init({.unit_divisor = 1280, .capacity_bytes = 80 * 1024 * kMiB});
+  ASSERT_TRUE(vmm_->MapRun(r_, 0, 16, &stuck_).ok());  // one unit
+  UnmapAll();
+  const std::uint64_t creates = sim_->call_count(SimCall::kMemCreate);
+  ASSERT_TRUE(vmm_->MapRun(r_, 100, 3, &stuck_).ok());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), creates);
+  EXPECT_EQ(vmm_->cache_bytes(), 13 * kGranule);
+  std::size_t freed = 0;
+  ASSERT_TRUE(vmm_->Release(0, &freed).ok());
+  EXPECT_EQ(freed, 0u);  // part of it is mapped
+}
+
+// A cached piece is mapped in the unit of the moment: a unit cached while
+// there was room comes back in single granules near the limit.
+TEST_F(ExpandableBackingTest, CachedPieceMapsInTheUnitOfTheMoment) {
+  Init({.unit_divisor = 1,
+        .memory_limit_bytes = 32 * kMiB,
+        .capacity_bytes = 80 * 1024 * kMiB});
+  ASSERT_EQ(vmm_->UnitGranules(8), 8u);
+  ASSERT_TRUE(vmm_->MapRun(r_, 0, 8, &stuck_).ok());  // one unit of 8
+  ASSERT_EQ(sim_->call_count(SimCall::kMemMap), 1u);
+  UnmapAll();
+  ASSERT_EQ(vmm_->UnitGranules(7), 1u);  // 2 MiB would be left
+  ASSERT_TRUE(vmm_->MapRun(r_, 200, 7, &stuck_).ok());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 1u);  // the cached one
+  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 1u + 7u);
+  EXPECT_EQ(vmm_->cache_bytes(), kGranule);
   UnmapAll();
   ASSERT_TRUE(vmm_->Release(0, nullptr).ok());
   EXPECT_EQ(Physical(), 0u);
@@ -129,26 +184,28 @@ TEST_F(ExpandableBackingTest, WholeChunksMapAndUnmapAsOne) {
 // and changes nothing.
 TEST_F(ExpandableBackingTest, LimitFailsLikeOutOfMemory) {
   Init({.memory_limit_bytes = 8 * kGranule});
-  ASSERT_TRUE(vmm_->MapRun(r_, 0, 6, false, &stuck_).ok());
-  absl::Status s = vmm_->MapRun(r_, 10, 3, false, &stuck_);
+  ASSERT_TRUE(vmm_->MapRun(r_, 0, 6, &stuck_).ok());
+  absl::Status s = vmm_->MapRun(r_, 10, 3, &stuck_);
   EXPECT_EQ(DriverErrorCode(s), cu::kErrorOutOfMemory) << s;
   EXPECT_EQ(vmm_->mapped_bytes(), 6 * kGranule);
   EXPECT_EQ(vmm_->cache_bytes(), 0u);
   EXPECT_TRUE(stuck_.empty());
-  ASSERT_TRUE(vmm_->MapRun(r_, 10, 2, false, &stuck_).ok());  // fits
+  ASSERT_TRUE(vmm_->MapRun(r_, 10, 2, &stuck_).ok());  // fits
 }
 
-// A chunk the device cannot supply whole falls back to single granules:
-// the run takes what the device has before reporting out of memory.
-TEST_F(ExpandableBackingTest, ChunkThatDoesNotFitFallsBackToGranules) {
-  Init({.chunk_bytes = 16 * kMiB}, /*free_bytes=*/12 * kMiB);
-  // 10 granules: a single, a 16 MiB chunk (does not fit), then singles.
-  absl::Status s = vmm_->MapRun(r_, 0, 10, false, &stuck_);
+// A unit the device cannot supply whole falls back to single granules: the
+// run takes what the device has before reporting out of memory.
+TEST_F(ExpandableBackingTest, UnitThatDoesNotFitFallsBackToGranules) {
+  // Units of 8 granules by the capacity; the device has 12 MiB.
+  Init({.unit_divisor = 1, .capacity_bytes = 40 * kMiB},
+       /*free_bytes=*/12 * kMiB);
+  ASSERT_EQ(vmm_->UnitGranules(10), 8u);
+  absl::Status s = vmm_->MapRun(r_, 0, 10, &stuck_);
   EXPECT_EQ(DriverErrorCode(s), cu::kErrorOutOfMemory) << s;
   EXPECT_EQ(vmm_->mapped_bytes(), 0u);
   EXPECT_EQ(vmm_->cache_bytes(), 12 * kMiB);  // all the device had
   EXPECT_EQ(Physical(), 12 * kMiB);
-  ASSERT_TRUE(vmm_->MapRun(r_, 0, 6, false, &stuck_).ok());  // from the cache
+  ASSERT_TRUE(vmm_->MapRun(r_, 0, 6, &stuck_).ok());  // from the cache
   EXPECT_EQ(vmm_->cache_bytes(), 0u);
 }
 
@@ -157,7 +214,7 @@ TEST_F(ExpandableBackingTest, ChunkThatDoesNotFitFallsBackToGranules) {
 TEST_F(ExpandableBackingTest, FailedMapRollsBackOrReportsStuckPieces) {
   Init({});
   sim_->InjectFault(SimCall::kMemSetAccess, 1, cu::kErrorOutOfMemory);
-  EXPECT_FALSE(vmm_->MapRun(r_, 0, 4, false, &stuck_).ok());
+  EXPECT_FALSE(vmm_->MapRun(r_, 0, 4, &stuck_).ok());
   EXPECT_TRUE(stuck_.empty());
   EXPECT_EQ(vmm_->mapped_bytes(), 0u);
   EXPECT_EQ(vmm_->cache_bytes(), 4 * kGranule);
@@ -165,7 +222,7 @@ TEST_F(ExpandableBackingTest, FailedMapRollsBackOrReportsStuckPieces) {
   // Access fails, and so does every unmap: all four stay mapped, stuck.
   sim_->InjectFault(SimCall::kMemSetAccess, 1, cu::kErrorOutOfMemory);
   sim_->InjectFault(SimCall::kMemUnmap, 100, 999);
-  EXPECT_FALSE(vmm_->MapRun(r_, 10, 4, false, &stuck_).ok());
+  EXPECT_FALSE(vmm_->MapRun(r_, 10, 4, &stuck_).ok());
   std::size_t stuck = 0;
   for (const StuckPiece& p : stuck_) stuck += p.count;
   EXPECT_EQ(stuck, 4u);
@@ -178,7 +235,7 @@ TEST_F(ExpandableBackingTest, FailedMapRollsBackOrReportsStuckPieces) {
 // only.
 TEST_F(ExpandableBackingTest, DecayReleasesStaleAllocations) {
   Init({});
-  ASSERT_TRUE(vmm_->MapRun(r_, 0, 2, true, &stuck_).ok());  // 2 granules
+  ASSERT_TRUE(vmm_->MapRun(r_, 0, 2, &stuck_).ok());  // 2 granules
   std::size_t n = 0;
   ASSERT_TRUE(vmm_->UnmapPiece(r_, 0, &n).ok());
   now_ += absl::Seconds(10);

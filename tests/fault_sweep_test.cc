@@ -124,15 +124,14 @@ absl::Status CheckDeviceBooks(const CachingDeviceAllocator& a, SimDriver& sim,
 
 class DeviceSubject : public Subject {
  public:
-  // chunk_bytes != 0: expandable with physical allocations of that size
-  // (mapped whole with `whole_chunks`).
-  explicit DeviceSubject(BackingMode backing, std::size_t chunk_bytes = 0,
-                         bool whole_chunks = false)
+  // unit_divisor: DeviceAllocatorOptions::vmm_unit_divisor (on this 256 MiB
+  // device the default 1024 makes every unit a single granule; 2 makes
+  // units of many granules that shrink as the device fills).
+  explicit DeviceSubject(BackingMode backing, std::size_t unit_divisor = 1024)
       : Subject(256 * kMiB) {
     DeviceAllocatorOptions o;
     o.backing = backing;
-    if (chunk_bytes != 0) o.vmm_chunk_bytes = chunk_bytes;
-    o.vmm_map_whole_chunks = whole_chunks;
+    o.vmm_unit_divisor = unit_divisor;
     alloc_ = *CachingDeviceAllocator::Create(*sim_, 0, o);
     CreateStreams();
     auto alloc = [this](std::size_t n, StreamHandle s) {
@@ -367,8 +366,7 @@ class SessionSubject : public Subject {
 enum class Kind {
   kDeviceClassic,
   kDeviceExpandable,
-  kDeviceChunks,       // expandable, 8 MiB physical allocations
-  kDeviceWholeChunks,  // ... each mapped with one cuMemMap
+  kDeviceUnits,  // expandable, units of many granules (vmm_unit_divisor 2)
   kHost,
   kSlab,
   kSession
@@ -380,10 +378,8 @@ std::string KindName(const ::testing::TestParamInfo<Kind>& info) {
       return "DeviceClassic";
     case Kind::kDeviceExpandable:
       return "DeviceExpandable";
-    case Kind::kDeviceChunks:
-      return "DeviceChunks";
-    case Kind::kDeviceWholeChunks:
-      return "DeviceWholeChunks";
+    case Kind::kDeviceUnits:
+      return "DeviceUnits";
     case Kind::kHost:
       return "Host";
     case Kind::kSlab:
@@ -400,12 +396,9 @@ std::unique_ptr<Subject> Make(Kind kind) {
       return std::make_unique<DeviceSubject>(BackingMode::kClassic);
     case Kind::kDeviceExpandable:
       return std::make_unique<DeviceSubject>(BackingMode::kExpandable);
-    case Kind::kDeviceChunks:
+    case Kind::kDeviceUnits:
       return std::make_unique<DeviceSubject>(BackingMode::kExpandable,
-                                             8 * kMiB);
-    case Kind::kDeviceWholeChunks:
-      return std::make_unique<DeviceSubject>(BackingMode::kExpandable, 8 * kMiB,
-                                             /*whole_chunks=*/true);
+                                             /*unit_divisor=*/2);
     case Kind::kHost:
       return std::make_unique<HostSubject>();
     case Kind::kSlab:
@@ -536,12 +529,12 @@ TEST_P(FaultSweepTest, EveryCallKindEveryStep) {
               calls.size(), steps);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Allocators, FaultSweepTest,
-    ::testing::Values(Kind::kDeviceClassic, Kind::kDeviceExpandable,
-                      Kind::kDeviceChunks, Kind::kDeviceWholeChunks,
-                      Kind::kHost, Kind::kSlab, Kind::kSession),
-    KindName);
+INSTANTIATE_TEST_SUITE_P(Allocators, FaultSweepTest,
+                         ::testing::Values(Kind::kDeviceClassic,
+                                           Kind::kDeviceExpandable,
+                                           Kind::kDeviceUnits, Kind::kHost,
+                                           Kind::kSlab, Kind::kSession),
+                         KindName);
 
 }  // namespace
 }  // namespace ctxpool

@@ -174,8 +174,9 @@ TEST(Replay, OnAGivenDriverWithSeveralStreams) {
 TraceEvent TrimEvent() { return {.op = TraceOp::kTrim}; }
 
 TEST(Replay, MeasuresReservedMinusLiveAtTrimPoints) {
-  // Stream 1 keeps 3 MiB live: in expandable mode the granules under it (the
-  // second one half used) stay mapped, the freed 5 MiB is unmapped by Trim.
+  // Stream 1 keeps 3 MiB live. With single-granule units the granules under
+  // it (the second one half used) stay mapped and the freed 5 MiB is
+  // unmapped by Trim.
   Trace t;
   t.Append(Alloc(1, 3 << 20, 1));
   t.Append(Alloc(2, 5 << 20, 1));
@@ -183,6 +184,7 @@ TEST(Replay, MeasuresReservedMinusLiveAtTrimPoints) {
   t.Append(TrimEvent());
   ReplayConfig c;
   c.allocator.backing = BackingMode::kExpandable;
+  c.allocator.vmm_unit_divisor = 0;
   c.replay_trims = true;
   absl::StatusOr<ReplayResult> r = Replay(t, c);
   ASSERT_TRUE(r.ok()) << r.status();
@@ -196,6 +198,16 @@ TEST(Replay, MeasuresReservedMinusLiveAtTrimPoints) {
   EXPECT_THAT(ReplayResultToJson(*r),
               HasSubstr("\"max_trim_residual_bytes\": 1048576"));
 
+  // With the default units on this roomy device the 3 MiB request maps
+  // ahead to 16 MiB as one unit (its pool's 20 MiB segment rounded down to a
+  // power of two granules), which the live block keeps: Trim is exact to
+  // the unit, not the granule.
+  c.allocator.vmm_unit_divisor = DeviceAllocatorOptions().vmm_unit_divisor;
+  r = Replay(t, c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->end_reserved_bytes, 16u << 20);
+  EXPECT_EQ(r->max_trim_residual_bytes, 13u << 20);
+
   // Without replay_trims the kTrim event is skipped and nothing is measured.
   c.replay_trims = false;
   r = Replay(t, c);
@@ -208,7 +220,9 @@ TEST(Replay, MeasuresReservedMinusLiveAtTrimPoints) {
 }
 
 // A server trims after each unload: in expandable mode what stays reserved is
-// at most the partly used granule at the end of each stream's live blocks.
+// at most the partly used granule at the end of each stream's live blocks
+// with single-granule units, and at most one unit with the default units
+// (here the 16 MiB a weight tensor's run maps ahead).
 TEST(Replay, ChurnTrimPointsLeaveAtMostOneGranulePerActiveStream) {
   const MultiModelChurnOptions o{.seed = 3,
                                  .models = 4,
@@ -221,6 +235,7 @@ TEST(Replay, ChurnTrimPointsLeaveAtMostOneGranulePerActiveStream) {
   const Trace t = MultiModelChurn(o);
   ReplayConfig c;
   c.allocator.backing = BackingMode::kExpandable;
+  c.allocator.vmm_unit_divisor = 0;
   c.replay_trims = true;
   c.cost_model = false;
   c.wall_latency = false;
@@ -237,6 +252,14 @@ TEST(Replay, ChurnTrimPointsLeaveAtMostOneGranulePerActiveStream) {
             static_cast<std::uint64_t>(o.resident) * (2u << 20));
   // Not trivially: resident weights end inside a granule.
   EXPECT_GT(r->max_trim_residual_bytes, 0u);
+
+  c.allocator.vmm_unit_divisor = DeviceAllocatorOptions().vmm_unit_divisor;
+  absl::StatusOr<ReplayResult> units = Replay(t, c);
+  ASSERT_TRUE(units.ok()) << units.status();
+  EXPECT_EQ(units->ooms, 0u);
+  EXPECT_LE(units->max_trim_residual_granules_per_stream, 8.0)
+      << "worst trim point: event " << units->worst_trim_point.value_or(0)
+      << ", residual " << units->max_trim_residual_bytes;
 
   // Classic segments report the figure too (its size is not a target).
   c.allocator.backing = BackingMode::kClassic;
@@ -298,15 +321,17 @@ TEST(ParseAllocatorConfig, SetsKnownKeysAndRejectsOthers) {
   ASSERT_TRUE(ParseAllocatorConfig("backing=auto,memory_limit=1GiB", &o).ok());
   EXPECT_EQ(o.backing, BackingMode::kAuto);
   EXPECT_EQ(o.memory_limit_bytes, 1u << 30);
-  ASSERT_TRUE(ParseAllocatorConfig("memory_limit=0,vmm_chunk_bytes=0,"
-                                   "vmm_map_whole_chunks=true",
-                                   &o)
-                  .ok());
+  ASSERT_TRUE(
+      ParseAllocatorConfig("memory_limit=0,vmm_unit_divisor=0", &o).ok());
   EXPECT_EQ(o.memory_limit_bytes, 0u);
-  EXPECT_EQ(o.vmm_chunk_bytes, 0u);
-  EXPECT_TRUE(o.vmm_map_whole_chunks);
+  EXPECT_EQ(o.vmm_unit_divisor, 0u);
+  ASSERT_TRUE(ParseAllocatorConfig("vmm_unit_divisor=256", &o).ok());
+  EXPECT_EQ(o.vmm_unit_divisor, 256u);
   EXPECT_FALSE(ParseAllocatorConfig("round_bytes=0", &o).ok());
-  EXPECT_FALSE(ParseAllocatorConfig("vmm_map_whole_chunks=maybe", &o).ok());
+  EXPECT_THAT(ParseAllocatorConfig("vmm_unit_divisor=many", &o).message(),
+              HasSubstr("vmm_unit_divisor must be a whole number"));
+  EXPECT_FALSE(ParseAllocatorConfig("vmm_unit_divisor=-1", &o).ok());
+  EXPECT_FALSE(ParseAllocatorConfig("vmm_map_whole_chunks=true", &o).ok());
 }
 
 // driver_calls counts every SimDriver call the allocator made, by kind,

@@ -312,9 +312,8 @@ class CachingDeviceAllocator::Impl {
         granule_(granule),
         backing_(std::make_unique<ClassicBacking>(driver)),
         vmm_(driver, device, granule,
-             ExpandableOptions{options_.vmm_chunk_bytes,
-                               options_.vmm_map_whole_chunks,
-                               options_.memory_limit_bytes},
+             ExpandableOptions{options_.vmm_unit_divisor,
+                               options_.memory_limit_bytes, device_total},
              options_.clock) {
     live_.reserve(kInitialLiveCapacity);
     auto t = std::make_unique<Tenant>();
@@ -1756,11 +1755,7 @@ class CachingDeviceAllocator::Impl {
       bool unreserved = false;
       if (free_memory) {
         std::vector<std::size_t> starts;
-        r->ForEachMapped(0, r->size / granule_,
-                         [&](std::size_t i, PhysicalMemHandle) {
-                           if (r->IsStart(i)) starts.push_back(i);
-                           return true;
-                         });
+        for (const auto& [start, piece] : r->pieces) starts.push_back(start);
         for (std::size_t i : starts) {
           std::size_t n = 0;
           absl::Status u = UnmapPiece(seg, i, &n);
@@ -2180,19 +2175,19 @@ class CachingDeviceAllocator::Impl {
 
   // Maps the granules of [lo, hi) (granule aligned, inside unmapped free
   // block `u` of `seg`) through the backing (ExpandableBacking::MapRun:
-  // cached pieces first, then chunks or granules; one cuMemMap per granule
-  // and one cuMemSetAccess for the run). Returns the mapped free block
-  // (coalesced with its mapped neighbours) that now covers [lo, hi). On
-  // failure the run is rolled back into the cache, but for pieces that
-  // could be neither given access nor unmapped: those stay mapped on the
-  // books (never mapped twice) as mapped free blocks.
+  // cached pieces first, then new allocations, in units sized by the
+  // headroom; one cuMemMap per unit and one cuMemSetAccess for the run).
+  // Returns the mapped free block (coalesced with its mapped neighbours) that
+  // now covers [lo, hi). On failure the run is rolled back into the cache, but
+  // for pieces that could be neither given access nor unmapped: those stay
+  // mapped on the books (never mapped twice) as mapped free blocks.
   absl::StatusOr<Block*> MapRun(Segment* seg, Block* u, std::uint64_t lo,
                                 std::uint64_t hi)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     VmmRange* r = RangeOf(seg);
     std::vector<StuckPiece> stuck;
-    absl::Status s = vmm_.MapRun(r, (lo - r->base) / granule_,
-                                 (hi - lo) / granule_, seg->small, &stuck);
+    absl::Status s =
+        vmm_.MapRun(r, (lo - r->base) / granule_, (hi - lo) / granule_, &stuck);
     if (s.ok()) {
       NoteMapped(seg, lo, hi - lo);
       return Carve(u, lo, hi, /*to_unmapped=*/false);
@@ -2354,16 +2349,13 @@ class CachingDeviceAllocator::Impl {
       const VmmRange* r = RangeOf(run.block->segment);
       // The pieces wholly inside [run.lo, run.hi), in order.
       absl::InlinedVector<std::pair<std::size_t, std::size_t>, 8> pieces;
-      for (std::size_t i = run.lo; i < run.hi;) {
-        if (!r->IsStart(i)) {  // the tail of a piece that starts below
-          ++i;
-          continue;
-        }
-        const std::size_t end = r->PieceEnd(i, run.hi + 1);
-        if (end > run.hi) break;  // runs past the block: not wholly free
-        pieces.emplace_back(i, end);
-        i = end;
-      }
+      r->ForEachPiece(run.lo, run.hi,
+                      [&](std::size_t start, const VmmRange::Piece& p) {
+                        if (start >= run.lo && start + p.count <= run.hi) {
+                          pieces.emplace_back(start, start + p.count);
+                        }
+                        return true;
+                      });
       // From the top down while contiguous and wanted.
       GranuleRun take{run.block, 0, 0};
       for (auto it = pieces.rbegin(); it != pieces.rend() && bytes < want;
@@ -2401,7 +2393,7 @@ class CachingDeviceAllocator::Impl {
       std::size_t low = take.hi;
       while (low > take.lo) {
         std::size_t start = low - 1;  // the piece that ends at `low`
-        while (start > take.lo && !r->IsStart(start)) --start;
+        r->PieceAt(low - 1, &start);
         std::size_t n = 0;
         absl::Status s = UnmapPiece(seg, start, &n);
         if (!s.ok()) {
@@ -2578,6 +2570,41 @@ class CachingDeviceAllocator::Impl {
     return {lo, hi};
   }
 
+  // Where a placement's run ends when there is room to map ahead: a cold
+  // stream then grows in steps of the pool's segment size (20 MiB for
+  // large-pool requests under 10 MiB, as a classic segment) rounded down to
+  // a power of two granules, the run ending on a multiple of the step; at
+  // most one unit (so nothing near the limit), never past the unmapped
+  // block nor the tenant's max. The
+  // rest stays a mapped free block for the stream's next requests.
+  std::uint64_t MapAhead(const Placement& at, std::size_t rounded) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // A request that gets a segment of its own in classic mode (>= 10 MiB)
+    // maps only itself; and nothing goes past the next block.
+    if (at.hi == at.u->end() || classes_.SegmentBytes(rounded) <= at.bytes()) {
+      return at.hi;
+    }
+    const std::size_t unit = vmm_.UnitGranules(at.bytes() / granule_);
+    const std::size_t segment =
+        classes_.SegmentBytes(rounded) / granule_;  // whole granules
+    const std::size_t step = std::min(
+        unit, segment <= 1 ? std::size_t{1} : absl::bit_floor(segment));
+    if (step <= 1) return at.hi;
+    const VmmRange* r = RangeOf(at.u->segment);
+    const std::size_t end_granule = (at.hi - r->base) / granule_;
+    const std::size_t want = (end_granule + step - 1) / step * step;
+    const std::uint64_t hi =
+        std::min<std::uint64_t>(at.u->end(), r->base + want * granule_);
+    if (hi <= at.hi) return at.hi;
+    const StreamState* ss = Owner(at.u->segment);
+    const Budget& budget = tenants_[ss->tenant]->budget;
+    if (budget.max != kNoLimit &&
+        TenantMapped(ss->tenant) + (hi - at.lo) > budget.max) {
+      return at.hi;
+    }
+    return hi;
+  }
+
   // The slow path of Allocate in expandable mode: no mapped free block of
   // the stream fits, so map granules at the cheapest place (Place), cached
   // granules first. Mapped memory is never unmapped here except under
@@ -2616,7 +2643,7 @@ class CachingDeviceAllocator::Impl {
         return TenantOom(ss, rounded, requested, at.bytes(), report, oom);
       }
     }
-    absl::StatusOr<Block*> b = MapRun(seg, at.u, at.lo, at.hi);
+    absl::StatusOr<Block*> b = MapRun(seg, at.u, at.lo, MapAhead(at, rounded));
     if (!b.ok() && IsOutOfMemory(b.status())) {
       ++num_alloc_retries_;
       const std::size_t cached = CacheBytes();
@@ -2920,19 +2947,17 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
     const VmmRange* range = expandable_ ? RangeOf(&seg) : nullptr;
     if (range != nullptr) {  // I9
       std::size_t mapped = 0;
+      std::size_t next = 0;  // the pieces are disjoint and inside the range
       bool bad = false;
-      range->ForEachMapped(0, std::numeric_limits<std::size_t>::max(),
-                           [&](std::size_t i, PhysicalMemHandle h) {
-                             bad = bad || h.is_null() ||
-                                   i >= range->size / granule_;
-                             mapped += granule_;
-                             return true;
-                           });
-      for (const auto& [c, chunk] : range->chunks)
-        bad = bad || chunk->bits == 0;
+      for (const auto& [start, piece] : range->pieces) {
+        bad = bad || piece.handle.is_null() || piece.count == 0 ||
+              start < next || start + piece.count > range->size / granule_;
+        next = start + piece.count;
+        mapped += piece.count * granule_;
+      }
       if (bad) {
         return absl::InternalError(absl::StrFormat(
-            "I9: range 0x%x has a bad granule entry", seg.base));
+            "I9: range 0x%x has a bad or overlapping mapping", seg.base));
       }
       if (mapped != range->mapped || range->base != seg.base ||
           range->size != seg.size ||

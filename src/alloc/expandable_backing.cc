@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/numeric/bits.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 #include "ctxpool/driver/cuda_errors.h"
@@ -45,20 +46,29 @@ absl::Status ExpandableBacking::Unreserve(VmmRange* r) {
 }
 
 void ExpandableBacking::Forget(VmmRange* r) {
-  r->ForEachMapped(0, r->size / granule_,
-                   [&](std::size_t, PhysicalMemHandle h) {
-                     PhysChunk& c = phys_[h.value()];
-                     --c.mapped;
-                     ++c.leaked;
-                     return true;
-                   });
+  for (const auto& [start, p] : r->pieces) {
+    PhysChunk& c = phys_[p.handle.value()];
+    c.mapped -= static_cast<std::uint32_t>(p.count);
+    c.leaked += static_cast<std::uint32_t>(p.count);
+  }
   mapped_granules_ -= r->mapped / granule_;
   counters_.leaked_bytes += r->mapped;
   ranges_.erase(r->base);
 }
 
+std::size_t ExpandableBacking::UnitGranules(std::size_t n) const {
+  if (options_.unit_divisor == 0) return 1;
+  const std::size_t cap = options_.memory_limit_bytes != 0
+                              ? options_.memory_limit_bytes
+                              : options_.capacity_bytes;
+  const std::size_t held = (mapped_granules_ + cache_granules_ + n) * granule_;
+  if (held >= cap) return 1;
+  const std::size_t u = (cap - held) / options_.unit_divisor / granule_;
+  return u <= 1 ? 1 : absl::bit_floor(u);
+}
+
 absl::Status ExpandableBacking::AcquirePieces(
-    std::size_t n, bool small, std::vector<CachedPiece>* pieces) {
+    std::size_t n, std::size_t unit, std::vector<CachedPiece>* pieces) {
   std::size_t got = 0;
   while (got < n && !cache_.empty()) {
     CachedPiece p = cache_.back();
@@ -73,29 +83,22 @@ absl::Status ExpandableBacking::AcquirePieces(
     pieces->push_back(p);
   }
   if (got == n) return absl::OkStatus();
+  const std::size_t cached = got;
   CTXPOOL_RETURN_IF_ERROR(
       CheckMemoryLimit("cuMemCreate", options_.memory_limit_bytes,
                        (mapped_granules_ + cache_granules_ + got) * granule_,
                        (n - got) * granule_));
-  const std::size_t chunk =
-      small ? 1 : std::max<std::size_t>(1, options_.chunk_bytes / granule_);
-  std::size_t chunked_lo = n, chunked_hi = n;  // created in chunks
-  if (chunk > 1 && n - got >= 3) {
-    chunked_lo = got + 1;
-    chunked_hi = n - 1;
-  }
+  // One allocation per unit, counted from the run's start.
   while (got < n) {
-    const auto count =
-        static_cast<std::uint32_t>(got >= chunked_lo && got < chunked_hi
-                                       ? std::min(chunk, chunked_hi - got)
-                                       : 1);
+    const auto count = static_cast<std::uint32_t>(
+        std::min(unit - (got - cached) % unit, n - got));
     absl::StatusOr<PhysicalMemHandle> created =
         driver_.MemCreate(count * granule_, device_);
     if (!created.ok()) {
-      // A chunk the device cannot supply in one piece may still fit in
+      // A unit the device cannot supply in one piece may still fit in
       // granules: the rest goes single before the caller reclaims.
       if (count > 1 && IsOutOfMemory(created.status())) {
-        chunked_hi = got;
+        unit = 1;
         continue;
       }
       return created.status();
@@ -110,9 +113,7 @@ absl::Status ExpandableBacking::AcquirePieces(
 
 void ExpandableBacking::NotePiece(VmmRange* r, std::size_t i,
                                   const CachedPiece& p) {
-  for (std::uint32_t k = 0; k < p.count; ++k) {
-    r->Set(i + k, p.handle, p.offset + k, /*start=*/k == 0);
-  }
+  r->SetRun(i, p.count, p.handle, p.offset);
   r->mapped += p.count * granule_;
   mapped_granules_ += p.count;
   counters_.granule_maps += p.count;
@@ -120,30 +121,33 @@ void ExpandableBacking::NotePiece(VmmRange* r, std::size_t i,
 }
 
 absl::Status ExpandableBacking::MapRun(VmmRange* r, std::size_t i0,
-                                       std::size_t n, bool small,
+                                       std::size_t n,
                                        std::vector<StuckPiece>* stuck) {
   const std::uint64_t lo = r->base + i0 * granule_;
   const std::uint64_t bytes = n * granule_;
+  const std::size_t unit = UnitGranules(n);
   std::vector<CachedPiece> pieces;
-  absl::Status s = AcquirePieces(n, small, &pieces);
+  absl::Status s = AcquirePieces(n, unit, &pieces);
   if (!s.ok()) {
     for (const CachedPiece& p : pieces) CachePiece(p);
     return s;
   }
-  if (!options_.map_whole_chunks) {  // one mapping per granule
-    std::vector<CachedPiece> singles;
-    singles.reserve(n);
-    for (const CachedPiece& p : pieces) {
-      for (std::uint32_t k = 0; k < p.count; ++k) {
-        singles.push_back({p.handle, p.offset + k, 1, p.since});
-      }
+  // One mapping per piece, a cached piece larger than the unit of the
+  // moment cut into units.
+  std::vector<CachedPiece> maps;
+  maps.reserve(pieces.size() + n / unit + 1);
+  for (const CachedPiece& p : pieces) {
+    for (std::uint32_t k = 0; k < p.count;) {
+      const auto c =
+          static_cast<std::uint32_t>(std::min<std::size_t>(unit, p.count - k));
+      maps.push_back({p.handle, p.offset + k, c, p.since});
+      k += c;
     }
-    pieces = std::move(singles);
   }
-  std::size_t done = 0;  // pieces mapped
+  std::size_t done = 0;  // mappings made
   std::uint64_t at = lo;
-  for (; done < pieces.size(); ++done) {
-    const CachedPiece& p = pieces[done];
+  for (; done < maps.size(); ++done) {
+    const CachedPiece& p = maps[done];
     s = driver_.MemMap(DevicePtr(at), p.count * granule_, p.offset * granule_,
                        p.handle);
     if (!s.ok()) break;
@@ -155,7 +159,7 @@ absl::Status ExpandableBacking::MapRun(VmmRange* r, std::size_t i0,
   }
   if (s.ok()) {
     std::size_t i = i0;
-    for (const CachedPiece& p : pieces) {
+    for (const CachedPiece& p : maps) {
       NotePiece(r, i, p);
       i += p.count;
     }
@@ -164,7 +168,7 @@ absl::Status ExpandableBacking::MapRun(VmmRange* r, std::size_t i0,
   // Roll back (one retry per unmap); keep the pieces for the next growth.
   at = lo;
   for (std::size_t k = 0; k < done; ++k) {
-    const CachedPiece& p = pieces[k];
+    const CachedPiece& p = maps[k];
     const DevicePtr where(at);
     if (driver_.MemUnmap(where, p.count * granule_).ok() ||
         driver_.MemUnmap(where, p.count * granule_).ok()) {
@@ -180,7 +184,7 @@ absl::Status ExpandableBacking::MapRun(VmmRange* r, std::size_t i0,
     }
     at += p.count * granule_;
   }
-  for (std::size_t k = done; k < pieces.size(); ++k) CachePiece(pieces[k]);
+  for (std::size_t k = done; k < maps.size(); ++k) CachePiece(maps[k]);
   return s;
 }
 
@@ -194,11 +198,9 @@ absl::Status ExpandableBacking::UnmapPiece(VmmRange* r, std::size_t i,
   const std::size_t count = end - i;
   CTXPOOL_RETURN_IF_ERROR(
       driver_.MemUnmap(DevicePtr(r->base + i * granule_), count * granule_));
-  const std::uint32_t offset = r->Offset(i);
-  PhysicalMemHandle h;
-  for (std::size_t k = i; k < end; ++k) h = r->Take(k);
-  CachePiece({h, offset, static_cast<std::uint32_t>(count), Now()});
-  phys_[h.value()].mapped -= static_cast<std::uint32_t>(count);
+  const VmmRange::Piece p = r->TakeRun(i);
+  CachePiece({p.handle, p.offset, static_cast<std::uint32_t>(count), Now()});
+  phys_[p.handle.value()].mapped -= static_cast<std::uint32_t>(count);
   r->mapped -= count * granule_;
   mapped_granules_ -= count;
   counters_.granule_unmaps += static_cast<std::int64_t>(count);
@@ -313,7 +315,18 @@ absl::Status ExpandableBacking::CheckInvariants(
     leaked += chunk.leaked;
   }
   std::size_t in_ranges = 0;
-  for (const auto& [base, r] : ranges_) in_ranges += r->mapped;
+  for (const auto& [base, r] : ranges_) {
+    in_ranges += r->mapped;
+    for (const auto& [start, p] : r->pieces) {
+      auto it = phys_.find(p.handle.value());
+      if (it == phys_.end() || p.offset + p.count > it->second.granules) {
+        return absl::InternalError(absl::StrFormat(
+            "I12: the mapping at granule %d of range 0x%x is not inside a "
+            "live physical allocation",
+            start, base));
+      }
+    }
+  }
   if (cached != cache_granules_ || mapped != mapped_granules_ ||
       mapped * granule_ != reserved_bytes || in_ranges != reserved_bytes ||
       total != mapped + cached + leaked) {

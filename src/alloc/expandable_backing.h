@@ -8,16 +8,28 @@
 // (stream, pool) whose 2 MiB granules are mapped and unmapped one run at a
 // time, so this backing's interface is the range and its runs: Reserve a
 // range, MapRun granules into it (cached pieces first, then new physical
-// allocations: chunks for large runs), UnmapPiece one mapping back into the
-// cache, Release or Decay the cache. The allocator keeps the block logic
-// (which free block a run serves, what to reclaim) and the stats.
+// allocations), UnmapPiece one mapping back into the cache, Release or Decay
+// the cache. The allocator keeps the block logic (which free block a run
+// serves, what to reclaim) and the stats.
+//
+// Units. New memory is created and mapped in units of at most a power of
+// two granules, one cuMemCreate and one cuMemMap each. A unit is also the
+// smallest amount that can move later: a mapping unmaps only whole and a
+// physical allocation is freed only whole. UnitGranules() sizes it from the
+// headroom: at most 1/unit_divisor of the memory still free (capacity_bytes, or
+// memory_limit_bytes when set, less what the backing holds). Far from the
+// limit, units are large and a cold run costs a few calls (a 1 GiB tensor on
+// an empty 80 GB device: 16 of each kind); near it, units are single
+// granules, which is what lets every free granule move to where it is needed
+// (the OOM frontier at the physical limit). Cached pieces keep their
+// physical allocation; one reused near the limit is mapped in granules.
 //
 //   ExpandableBacking vmm(driver, device, granule, options, now);
 //   VmmRange* r = *vmm.Reserve(2 * device_bytes);
 //   std::vector<StuckPiece> stuck;
-//   CTXPOOL_RETURN_IF_ERROR(vmm.MapRun(r, 0, 3, /*small=*/false, &stuck));
+//   CTXPOOL_RETURN_IF_ERROR(vmm.MapRun(r, 0, 3, &stuck));
 //   std::size_t n = 0;
-//   CTXPOOL_RETURN_IF_ERROR(vmm.UnmapPiece(r, 0, &n));  // granule 0 cached
+//   CTXPOOL_RETURN_IF_ERROR(vmm.UnmapPiece(r, 0, &n));  // one mapping cached
 //   vmm.Release(/*keep_bytes=*/0, nullptr);              // what is whole
 //
 // Invariant (CheckInvariants, the allocator's I12): every physical
@@ -28,17 +40,15 @@
 #ifndef CTXPOOL_SRC_ALLOC_EXPANDABLE_BACKING_H_
 #define CTXPOOL_SRC_ALLOC_EXPANDABLE_BACKING_H_
 
-#include <array>
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <vector>
 
-#include "absl/base/optimization.h"
 #include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/numeric/bits.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -47,140 +57,108 @@
 namespace ctxpool {
 namespace alloc_internal {
 
-// Expandable mode: the virtual range behind a segment and its granules.
-// The granules' physical handles sit in a sparse two-level table: chunks of
-// 64 granules (a bit mask and the handles), only for chunks with a mapped
-// granule, so host memory and every walk follow the mapped bytes, not the
-// range's size (twice the device's capacity). A one-chunk hint keeps the
-// hot path's "is this block mapped" check O(1).
+// Expandable mode: the virtual range behind a segment and its mappings,
+// by first granule. A mapping (a piece) maps `count` granules from granule
+// `offset` of one physical allocation; the books cost one entry per piece,
+// whatever its size, so host memory and every walk follow the number of
+// mappings, not the granules mapped nor the range's size (twice the
+// device's capacity). Nothing on the allocator's hot path reads it.
 struct VmmRange {
-  static constexpr std::size_t kChunk = 64;
-  struct Chunk {
-    std::uint64_t bits = 0;    // bit k: granule chunk * 64 + k is mapped
-    std::uint64_t starts = 0;  // bit k: ... and starts a mapping (a piece)
-    std::array<PhysicalMemHandle, kChunk> handles;
-    std::array<std::uint32_t, kChunk> offsets = {};  // granule in the handle
+  struct Piece {
+    std::size_t count = 0;
+    PhysicalMemHandle handle;
+    std::uint32_t offset = 0;  // granule of `handle` mapped at the start
   };
 
   std::uint64_t base = 0;
   std::size_t size = 0;
   std::size_t mapped = 0;  // bytes
-  absl::btree_map<std::size_t, std::unique_ptr<Chunk>> chunks;
+  absl::btree_map<std::size_t, Piece> pieces;
 
-  bool IsMapped(std::size_t i) const {
-    const Chunk* c = Find(i / kChunk);
-    return c != nullptr && ((c->bits >> (i % kChunk)) & 1) != 0;
+  // The piece that maps granule i (its first granule in *start), or null.
+  const Piece* PieceAt(std::size_t i, std::size_t* start = nullptr) const {
+    auto it = pieces.upper_bound(i);
+    if (it == pieces.begin()) return nullptr;
+    --it;
+    if (it->first + it->second.count <= i) return nullptr;
+    if (start != nullptr) *start = it->first;
+    return &it->second;
   }
-  // Granule i maps granule `offset` of `h`; `start`: it begins a mapping.
-  void Set(std::size_t i, PhysicalMemHandle h, std::uint32_t offset,
-           bool start) {
-    std::unique_ptr<Chunk>& c = chunks[i / kChunk];
-    if (c == nullptr) c = std::make_unique<Chunk>();
-    const std::uint64_t bit = std::uint64_t{1} << (i % kChunk);
-    c->bits |= bit;
-    if (start) c->starts |= bit;
-    c->handles[i % kChunk] = h;
-    c->offsets[i % kChunk] = offset;
-  }
-  bool IsStart(std::size_t i) const {
-    const Chunk* c = Find(i / kChunk);
-    return c != nullptr && ((c->starts >> (i % kChunk)) & 1) != 0;
-  }
+  bool IsMapped(std::size_t i) const { return PieceAt(i) != nullptr; }
+  // Whether a mapping starts at granule i.
+  bool IsStart(std::size_t i) const { return pieces.contains(i); }
+  // The granule of the physical allocation mapped at granule i (REQUIRES:
+  // mapped), and the allocation.
   std::uint32_t Offset(std::size_t i) const {
-    const Chunk* c = Find(i / kChunk);
-    return c == nullptr ? 0 : c->offsets[i % kChunk];
+    std::size_t start = 0;
+    const Piece* p = PieceAt(i, &start);
+    return p == nullptr ? 0 : p->offset + static_cast<std::uint32_t>(i - start);
   }
-  // The end of the mapping that starts at granule i: the next start or
-  // unmapped granule, at most `limit`.
+  PhysicalMemHandle Handle(std::size_t i) const {
+    const Piece* p = PieceAt(i);
+    return p == nullptr ? PhysicalMemHandle() : p->handle;
+  }
+  // The end of the mapping that maps granule i, at most `limit`.
+  // REQUIRES: i is mapped.
   std::size_t PieceEnd(std::size_t i, std::size_t limit) const {
-    std::size_t j = i + 1;
-    while (j < limit && IsMapped(j) && !IsStart(j)) ++j;
-    return j;
+    std::size_t start = 0;
+    const Piece* p = PieceAt(i, &start);
+    return p == nullptr ? i + 1 : std::min(start + p->count, limit);
   }
-  // Removes granule i's entry and returns its handle (null if unmapped).
-  PhysicalMemHandle Take(std::size_t i) {
-    auto it = chunks.find(i / kChunk);
-    if (it == chunks.end()) return PhysicalMemHandle();
-    Chunk& c = *it->second;
-    const std::uint64_t bit = std::uint64_t{1} << (i % kChunk);
-    if ((c.bits & bit) == 0) return PhysicalMemHandle();
-    const PhysicalMemHandle h = c.handles[i % kChunk];
-    c.bits &= ~bit;
-    c.starts &= ~bit;
-    c.handles[i % kChunk] = PhysicalMemHandle();
-    c.offsets[i % kChunk] = 0;
-    if (c.bits == 0) {
-      if (hint_ == it->second.get()) hint_ = nullptr;
-      chunks.erase(it);
+  // Granules [i, i + n) map granules [offset, offset + n) of `h`, as one
+  // mapping. REQUIRES: they are unmapped.
+  void SetRun(std::size_t i, std::size_t n, PhysicalMemHandle h,
+              std::uint32_t offset) {
+    pieces.emplace(i, Piece{n, h, offset});
+  }
+  // Forgets the mapping that starts at granule i and returns it.
+  // REQUIRES: IsStart(i).
+  Piece TakeRun(std::size_t i) {
+    auto it = pieces.find(i);
+    const Piece p = it->second;
+    pieces.erase(it);
+    return p;
+  }
+  // Calls fn(start, piece) for each mapping that overlaps granules [lo, hi),
+  // in order; stops when fn returns false.
+  template <typename Fn>
+  void ForEachPiece(std::size_t lo, std::size_t hi, Fn fn) const {
+    if (lo >= hi) return;
+    auto it = pieces.upper_bound(lo);
+    if (it != pieces.begin()) {
+      auto prev = std::prev(it);
+      if (prev->first + prev->second.count > lo) it = prev;
     }
-    return h;
+    for (; it != pieces.end() && it->first < hi; ++it) {
+      if (!fn(it->first, it->second)) return;
+    }
   }
   // Calls fn(i, handle) for each mapped granule i in [lo, hi), in order;
-  // stops when fn returns false.
+  // stops when fn returns false. Linear in the granules: for checks and
+  // error paths.
   template <typename Fn>
   void ForEachMapped(std::size_t lo, std::size_t hi, Fn fn) const {
-    if (lo >= hi) return;
-    for (auto it = chunks.lower_bound(lo / kChunk);
-         it != chunks.end() && it->first * kChunk < hi; ++it) {
-      std::uint64_t bits = it->second->bits;
-      while (bits != 0) {
-        const int k = absl::countr_zero(bits);
-        bits &= bits - 1;
-        const std::size_t i = it->first * kChunk + static_cast<std::size_t>(k);
-        if (i < lo) continue;
-        if (i >= hi) return;
-        if (!fn(i, it->second->handles[static_cast<std::size_t>(k)])) return;
-      }
-    }
-  }
-  // Whether every granule in [lo, hi) is mapped: the hot path's check, a
-  // mask test when the range lies in one chunk (the common case).
-  bool AllMapped(std::size_t lo, std::size_t hi) const {
-    if (lo >= hi) return true;
-    if (ABSL_PREDICT_TRUE(lo / kChunk == (hi - 1) / kChunk)) {
-      const Chunk* c = Find(lo / kChunk);
-      if (c == nullptr) return false;
-      const std::uint64_t mask = MaskOf(lo, hi);
-      return (c->bits & mask) == mask;
-    }
-    return CountMapped(lo, hi) == hi - lo;
+    bool go = true;
+    ForEachPiece(lo, hi, [&](std::size_t start, const Piece& p) {
+      const std::size_t a = std::max(lo, start);
+      const std::size_t b = std::min(hi, start + p.count);
+      for (std::size_t i = a; i < b && go; ++i) go = fn(i, p.handle);
+      return go;
+    });
   }
   // Mapped granules among [lo, hi).
   std::size_t CountMapped(std::size_t lo, std::size_t hi) const {
-    if (lo >= hi) return 0;
-    if (lo / kChunk == (hi - 1) / kChunk) {  // one chunk: the hot path
-      const Chunk* c = Find(lo / kChunk);
-      if (c == nullptr) return 0;
-      return static_cast<std::size_t>(absl::popcount(c->bits & MaskOf(lo, hi)));
-    }
     std::size_t n = 0;
-    ForEachMapped(lo, hi, [&n](std::size_t, PhysicalMemHandle) {
-      ++n;
+    ForEachPiece(lo, hi, [&](std::size_t start, const Piece& p) {
+      n += std::min(hi, start + p.count) - std::max(lo, start);
       return true;
     });
     return n;
   }
-
- private:
-  // The bits of granules [lo, hi) within their chunk. REQUIRES: one chunk.
-  static std::uint64_t MaskOf(std::size_t lo, std::size_t hi) {
-    const std::size_t width = hi - lo;
-    return (width == kChunk ? ~std::uint64_t{0}
-                            : ((std::uint64_t{1} << width) - 1))
-           << (lo % kChunk);
+  // Whether every granule in [lo, hi) is mapped.
+  bool AllMapped(std::size_t lo, std::size_t hi) const {
+    return lo >= hi || CountMapped(lo, hi) == hi - lo;
   }
-  const Chunk* Find(std::size_t chunk) const {
-    if (hint_ != nullptr && hint_index_ == chunk) return hint_;
-    auto it = chunks.find(chunk);
-    if (it == chunks.end()) return nullptr;
-    hint_index_ = chunk;
-    hint_ = it->second.get();
-    return hint_;
-  }
-  // The chunk last found (the allocator's lock guards the range, so the
-  // const lookups may update it).
-  mutable std::size_t hint_index_ = 0;
-  mutable Chunk* hint_ = nullptr;
 };
 
 // Expandable mode: granules [offset, offset + count) of physical
@@ -222,10 +200,13 @@ struct ExpandableCounters {
 };
 
 struct ExpandableOptions {
-  std::size_t chunk_bytes = 64
-                            << 20;  // DeviceAllocatorOptions::vmm_chunk_bytes
-  bool map_whole_chunks = false;    // ...::vmm_map_whole_chunks
+  // DeviceAllocatorOptions::vmm_unit_divisor: a unit is at most this
+  // fraction of the headroom (0: always single granules).
+  std::size_t unit_divisor = 1024;
   std::size_t memory_limit_bytes = 0;  // ...::memory_limit_bytes (0: none)
+  // The memory the headroom is measured against when there is no limit:
+  // the device's total memory.
+  std::size_t capacity_bytes = 0;
 };
 
 class ExpandableBacking {
@@ -256,19 +237,23 @@ class ExpandableBacking {
   // counted as leaked (its physical allocations keep those granules).
   void Forget(VmmRange* r);
 
+  // The unit, in granules, for mapping `n` more granules now: the largest
+  // power of two at most 1/unit_divisor of the headroom left after them (at
+  // least 1). See the banner.
+  std::size_t UnitGranules(std::size_t n) const;
+
   // Maps granules [i0, i0 + n) of `r` (all unmapped): cached pieces first
   // (most recently unmapped; the last one split if larger than what is
-  // left), then new physical allocations — one granule each, except that a
-  // large-pool (`!small`) rest of three granules or more gets chunks of up
-  // to chunk_bytes in its interior (one cuMemCreate each), its first and
-  // last granules single, and a chunk the device cannot supply falls back
-  // to granules. One cuMemMap per granule (per piece with
-  // map_whole_chunks) and one cuMemSetAccess for the run. Growth past
-  // memory_limit_bytes fails as the driver's out-of-memory would. On
-  // failure everything is rolled back into the cache except the pieces in
-  // *stuck, which could be neither given access nor unmapped and stay
-  // mapped on the books (so that their addresses are never mapped twice).
-  absl::Status MapRun(VmmRange* r, std::size_t i0, std::size_t n, bool small,
+  // left), then new physical allocations of one unit each (UnitGranules(n),
+  // the last one what is left; one the device cannot supply whole falls
+  // back to single granules). One cuMemMap per piece, a cached piece larger
+  // than the unit cut into units, and one cuMemSetAccess for the run.
+  // Growth past memory_limit_bytes fails as the driver's out-of-memory
+  // would. On failure everything is rolled back into the cache except the
+  // pieces in *stuck, which could be neither given access nor unmapped and
+  // stay mapped on the books (so that their addresses are never mapped
+  // twice).
+  absl::Status MapRun(VmmRange* r, std::size_t i0, std::size_t n,
                       std::vector<StuckPiece>* stuck);
   // Unmaps the mapping that starts at granule `i` of `r` into the cache;
   // *n = its granules. REQUIRES: no queued work uses it.
@@ -297,7 +282,9 @@ class ExpandableBacking {
     cache_.push_back(p);
     cache_granules_ += p.count;
   }
-  absl::Status AcquirePieces(std::size_t n, bool small,
+  // Cached pieces, then new allocations of `unit` granules (the last one
+  // what is left), for a run of `n` granules, in order.
+  absl::Status AcquirePieces(std::size_t n, std::size_t unit,
                              std::vector<CachedPiece>* pieces);
   // Release's loop over the allocations `pick(handle)` accepts.
   template <typename Pick>

@@ -14,6 +14,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -569,15 +570,15 @@ absl::Status ParseAllocatorConfig(absl::string_view text,
     std::size_t* field = nullptr;
     if (key == "max_split_size") field = &options->max_split_size;
     if (key == "memory_limit") field = &options->memory_limit_bytes;
-    if (key == "vmm_chunk_bytes") field = &options->vmm_chunk_bytes;
-    if (key == "vmm_map_whole_chunks") {
-      absl::StatusOr<bool> b = ParseBool(value);
-      if (!b.ok()) {
+    if (key == "vmm_unit_divisor") {
+      std::uint64_t n = 0;
+      if (!absl::SimpleAtoi(value, &n) || n > (std::uint64_t{1} << 40)) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "--config: vmm_map_whole_chunks must be true or false, not '",
+            "--config: vmm_unit_divisor must be a whole number (0: single "
+            "granules), not '",
             value, "'"));
       }
-      options->vmm_map_whole_chunks = *b;
+      options->vmm_unit_divisor = static_cast<std::size_t>(n);
       continue;
     }
     if (key == "round_bytes") field = &options->round_bytes;
@@ -588,15 +589,14 @@ absl::Status ParseAllocatorConfig(absl::string_view text,
     if (field == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--config: unknown key '", key,
-          "' (known: backing, memory_limit, vmm_chunk_bytes, "
-          "vmm_map_whole_chunks, max_split_size, round_bytes, "
+          "' (known: backing, memory_limit, vmm_unit_divisor, "
+          "max_split_size, round_bytes, "
           "small_size_limit, small_segment_bytes, large_segment_bytes, "
           "large_round_bytes)"));
     }
     absl::StatusOr<std::uint64_t> bytes = ParseByteSize(value);
-    // 0 means "none" for the limit and "single granules" for the chunk.
-    const bool zero_ok = field == &options->memory_limit_bytes ||
-                         field == &options->vmm_chunk_bytes;
+    // 0 means "none" for the limit.
+    const bool zero_ok = field == &options->memory_limit_bytes;
     if (!bytes.ok() || (*bytes == 0 && !zero_ok)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--config: bad size '", value, "' for ", key, " (e.g. 64MiB)"));

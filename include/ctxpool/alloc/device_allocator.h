@@ -217,24 +217,17 @@ struct DeviceAllocatorOptions {
   // OOM report). 0: the device's capacity. DeviceContext reads
   // CTXPOOL_MEMORY_LIMIT.
   std::size_t memory_limit_bytes = 0;
-  // Expandable backing: the large pool's new physical memory for a run of
-  // three granules or more comes in allocations of up to this size (rounded
-  // down to the 2 MiB granule), one cuMemCreate each, so a 1 GiB tensor
-  // costs 18 creates rather than 512; the run's first and last granules,
-  // which neighbours may share, stay single, and so does the rest when the
-  // device cannot supply a chunk whole. A physical
-  // allocation is freed (Trim, decay) only once none of it is mapped, so a
-  // live block can keep the cached rest of one reserved. The small pool
-  // always uses single granules. 0 or the granule: single granules.
-  std::size_t vmm_chunk_bytes = 64 << 20;
-  // Expandable backing: map each such allocation as one cuMemMap instead of
-  // one per granule. Cheaper cold start (about what cuMemAlloc costs), but
-  // a mapping can be unmapped only whole, so under pressure a live block
-  // pins the free rest of its mapping and the OOM frontier grows (from
-  // 1.03x to 1.25x peak live on workload:mixed, 1.00x to 1.12x on
-  // octree-nca-inference). Off: every granule is its own mapping and moves
-  // on its own.
-  bool vmm_map_whole_chunks = false;
+  // Expandable backing: new memory is created and mapped in units of a
+  // power of two granules (one cuMemCreate and one cuMemMap each), and a
+  // unit is also the least that can move later: a mapping unmaps only whole
+  // and a physical allocation is freed only whole. A unit is at most
+  // 1/vmm_unit_divisor of the memory still free (the device's total memory,
+  // or memory_limit_bytes, less what the allocator holds): large while
+  // memory is plentiful (a cold 1 GiB tensor on an empty 80 GB device costs
+  // 16 calls of each kind, and a cold stream maps ahead like a classic
+  // segment), single granules near the limit, where every free granule must
+  // be able to move to where it is needed. 0: always single granules.
+  std::size_t vmm_unit_divisor = 1024;
   // The context to make current for driver calls; null means retain the
   // device's primary context (released at destruction).
   ContextHandle context;
