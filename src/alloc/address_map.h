@@ -1,0 +1,294 @@
+// src/alloc/address_map.h — the lock-free lookups of the device allocator's
+// cached paths (internal; not installed): which shard a stream handle names,
+// and which segment holds a device address.
+//
+// The pool serves an Allocate or a Deallocate under the lock of one stream's
+// shard (docs/architecture.md, "Front end, pool, backing"), so finding that
+// shard must not take a lock that threads on other streams share. These
+// maps are written by one writer at a time (the caller holds the
+// allocator's global lock) and read by any number of threads with no lock:
+// writers publish with release stores, readers load with acquire. Nothing a
+// reader may hold is freed before the map: a table that grew is kept until
+// the map is destroyed, and so are segments (the allocator recycles them,
+// never deletes them), so a reader that raced with a change sees a stale
+// but valid object and the shard's own books (under its lock) decide.
+//
+//   StreamTable<Shard> streams;
+//   streams.Insert(stream.value(), shard);        // writer
+//   Shard* s = streams.Find(stream.value());      // any thread
+//
+//   SegmentPageMap pages(/*page_shift=*/21);      // classic segments
+//   pages.Insert(seg);  Segment* at = pages.Find(ptr);  pages.Erase(seg);
+//
+//   RangeTable ranges;                             // expandable ranges
+//   ranges.Insert(seg); Segment* at = ranges.Find(ptr); ranges.Erase(seg);
+//
+// Thread-safety: Find is safe from any thread at any time; Insert and Erase
+// must be serialised by the caller.
+#ifndef CTXPOOL_SRC_ALLOC_ADDRESS_MAP_H_
+#define CTXPOOL_SRC_ALLOC_ADDRESS_MAP_H_
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "ctxpool/core/segment.h"
+
+namespace ctxpool {
+namespace alloc_internal {
+
+// An open-addressed hash table from a 64-bit key (a stream handle, 0
+// included) to a T*, lock-free to read. Entries are never removed; the
+// table doubles when half full, the old one kept until destruction.
+template <typename T>
+class StreamTable {
+ public:
+  StreamTable() { table_.store(NewTable(16), std::memory_order_release); }
+  StreamTable(const StreamTable&) = delete;
+  StreamTable& operator=(const StreamTable&) = delete;
+
+  // The value of `key`, or null.
+  T* Find(std::uint64_t key) const {
+    const Table* t = table_.load(std::memory_order_acquire);
+    const std::uint64_t k = key + 1;  // 0 marks an empty slot
+    for (std::size_t i = Hash(k) & t->mask;; i = (i + 1) & t->mask) {
+      const std::uint64_t at = t->slots[i].key.load(std::memory_order_acquire);
+      if (at == k) return t->slots[i].value.load(std::memory_order_relaxed);
+      if (at == 0) return nullptr;
+    }
+  }
+
+  // REQUIRES: writers serialised; `key` absent (key != UINT64_MAX); `value`
+  // outlives the table.
+  void Insert(std::uint64_t key, T* value) {
+    Table* t = table_.load(std::memory_order_relaxed);
+    if ((count_ + 1) * 2 > t->mask + 1) {
+      Table* bigger = NewTable(2 * (t->mask + 1));
+      for (std::size_t i = 0; i <= t->mask; ++i) {
+        const std::uint64_t k = t->slots[i].key.load(std::memory_order_relaxed);
+        if (k != 0) {
+          Put(bigger, k, t->slots[i].value.load(std::memory_order_relaxed));
+        }
+      }
+      table_.store(bigger, std::memory_order_release);
+      t = bigger;
+    }
+    Put(t, key + 1, value);
+    ++count_;
+  }
+
+  std::size_t size() const { return count_; }
+
+ private:
+  struct Slot {
+    std::atomic<std::uint64_t> key{0};
+    std::atomic<T*> value{nullptr};
+  };
+  struct Table {
+    std::size_t mask = 0;
+    std::unique_ptr<Slot[]> slots;
+  };
+
+  static std::size_t Hash(std::uint64_t k) {
+    return static_cast<std::size_t>((k * 0x9E3779B97F4A7C15ull) >> 17);
+  }
+  Table* NewTable(std::size_t n) {
+    auto t = std::make_unique<Table>();
+    t->mask = n - 1;
+    t->slots = std::make_unique<Slot[]>(n);
+    tables_.push_back(std::move(t));
+    return tables_.back().get();
+  }
+  static void Put(Table* t, std::uint64_t k, T* value) {
+    std::size_t i = Hash(k) & t->mask;
+    while (t->slots[i].key.load(std::memory_order_relaxed) != 0) {
+      i = (i + 1) & t->mask;
+    }
+    t->slots[i].value.store(value, std::memory_order_relaxed);
+    t->slots[i].key.store(k, std::memory_order_release);
+  }
+
+  std::atomic<Table*> table_{nullptr};
+  std::vector<std::unique_ptr<Table>> tables_;  // every table, until the end
+  std::size_t count_ = 0;
+};
+
+// Classic segments by address: a four-level radix tree over pages of
+// 2^page_shift bytes, created on demand and never freed. A page is at least
+// as small as the smallest segment, so at most one segment starts strictly
+// inside it: its entry names the segment that covers the page's first byte
+// and the one that starts inside it (with its base).
+class SegmentPageMap {
+ public:
+  explicit SegmentPageMap(int page_shift)
+      : shift_(page_shift),
+        bits_((64 - page_shift + kLevels - 1) / kLevels),
+        root_(std::make_unique<Node>(std::size_t{1} << bits_)) {}
+  SegmentPageMap(const SegmentPageMap&) = delete;
+  SegmentPageMap& operator=(const SegmentPageMap&) = delete;
+
+  int page_shift() const { return shift_; }
+
+  // The segment whose range may hold `address`, or null. A candidate only:
+  // the caller checks it (under the owning shard's lock) unless the address
+  // is known to be inside a live block, whose segment cannot change.
+  Segment* Find(std::uint64_t address) const {
+    const Entry* e = Leaf(address >> shift_, /*create=*/false);
+    if (e == nullptr) return nullptr;
+    Segment* inside = e->start.load(std::memory_order_acquire);
+    if (inside != nullptr &&
+        address >= e->start_base.load(std::memory_order_relaxed)) {
+      return inside;
+    }
+    return e->cover.load(std::memory_order_acquire);
+  }
+
+  // REQUIRES: writers serialised; seg->size >= the page size.
+  void Insert(Segment* seg) {
+    ForPages(seg, [&](Entry* e, bool starts_inside) {
+      if (starts_inside) {
+        e->start_base.store(seg->base, std::memory_order_relaxed);
+        e->start.store(seg, std::memory_order_release);
+      } else {
+        e->cover.store(seg, std::memory_order_release);
+      }
+    });
+  }
+
+  // REQUIRES: writers serialised; `seg` was inserted.
+  void Erase(const Segment* seg) {
+    ForPages(seg, [&](Entry* e, bool starts_inside) {
+      std::atomic<Segment*>& slot = starts_inside ? e->start : e->cover;
+      if (slot.load(std::memory_order_relaxed) == seg) {
+        slot.store(nullptr, std::memory_order_release);
+      }
+    });
+  }
+
+ private:
+  static constexpr int kLevels = 4;
+  struct Entry {
+    std::atomic<Segment*> cover{nullptr};  // covers the page's first byte
+    std::atomic<Segment*> start{nullptr};  // starts inside the page
+    std::atomic<std::uint64_t> start_base{0};
+  };
+  struct Node {
+    explicit Node(std::size_t n) : children(new std::atomic<void*>[n]) {
+      for (std::size_t i = 0; i < n; ++i) children[i].store(nullptr);
+    }
+    ~Node() { delete[] children; }
+    std::atomic<void*>* children;
+  };
+
+  // Calls fn(entry, starts_inside) for each page of `seg`.
+  template <typename Fn>
+  void ForPages(const Segment* seg, Fn fn) {
+    const std::uint64_t first = seg->base >> shift_;
+    const std::uint64_t last = (seg->base + seg->size - 1) >> shift_;
+    for (std::uint64_t p = first;; ++p) {
+      Entry* e = const_cast<Entry*>(Leaf(p, /*create=*/true));
+      fn(e, p == first && (seg->base & ((std::uint64_t{1} << shift_) - 1)));
+      if (p == last) break;
+    }
+  }
+
+  // The entry of page `page`; with `create`, the nodes on the way are made.
+  const Entry* Leaf(std::uint64_t page, bool create) const {
+    const std::size_t width = std::size_t{1} << bits_;
+    const Node* node = root_.get();
+    for (int level = kLevels - 1; level > 0; --level) {
+      const std::size_t i = (page >> (level * bits_)) & (width - 1);
+      void* child = node->children[i].load(std::memory_order_acquire);
+      if (child == nullptr) {
+        if (!create) return nullptr;
+        if (level == 1) {
+          leaves_.push_back(std::make_unique<Entry[]>(width));
+          child = leaves_.back().get();
+        } else {
+          nodes_.push_back(std::make_unique<Node>(width));
+          child = nodes_.back().get();
+        }
+        node->children[i].store(child, std::memory_order_release);
+      }
+      if (level == 1) {
+        return static_cast<const Entry*>(child) + (page & (width - 1));
+      }
+      node = static_cast<const Node*>(child);
+    }
+    return nullptr;  // not reached
+  }
+
+  const int shift_;
+  const int bits_;  // per level
+  std::unique_ptr<Node> root_;
+  // Made under the writer's serialisation; freed with the map.
+  mutable std::vector<std::unique_ptr<Node>> nodes_;
+  mutable std::vector<std::unique_ptr<Entry[]>> leaves_;
+};
+
+// Expandable ranges by address: a sorted array, replaced whole on every
+// change (a range is reserved once per stream and pool), each version kept
+// until destruction.
+class RangeTable {
+ public:
+  RangeTable() { table_.store(&empty_, std::memory_order_release); }
+  RangeTable(const RangeTable&) = delete;
+  RangeTable& operator=(const RangeTable&) = delete;
+
+  // The range holding `address`, or null.
+  Segment* Find(std::uint64_t address) const {
+    const Table* t = table_.load(std::memory_order_acquire);
+    auto it = std::upper_bound(
+        t->entries.begin(), t->entries.end(), address,
+        [](std::uint64_t a, const Entry& e) { return a < e.base; });
+    if (it == t->entries.begin()) return nullptr;
+    --it;
+    return address < it->end ? it->segment : nullptr;
+  }
+
+  // REQUIRES: writers serialised; ranges do not overlap.
+  void Insert(Segment* seg) {
+    auto t = std::make_unique<Table>(*table_.load(std::memory_order_relaxed));
+    const Entry e{seg->base, seg->base + seg->size, seg};
+    t->entries.insert(std::upper_bound(t->entries.begin(), t->entries.end(), e,
+                                       [](const Entry& a, const Entry& b) {
+                                         return a.base < b.base;
+                                       }),
+                      e);
+    Publish(std::move(t));
+  }
+  void Erase(const Segment* seg) {
+    auto t = std::make_unique<Table>(*table_.load(std::memory_order_relaxed));
+    t->entries.erase(
+        std::remove_if(t->entries.begin(), t->entries.end(),
+                       [&](const Entry& e) { return e.segment == seg; }),
+        t->entries.end());
+    Publish(std::move(t));
+  }
+
+ private:
+  struct Entry {
+    std::uint64_t base;
+    std::uint64_t end;
+    Segment* segment;
+  };
+  struct Table {
+    std::vector<Entry> entries;
+  };
+  void Publish(std::unique_ptr<Table> t) {
+    table_.store(t.get(), std::memory_order_release);
+    versions_.push_back(std::move(t));
+  }
+
+  Table empty_;
+  std::atomic<const Table*> table_{nullptr};
+  std::vector<std::unique_ptr<Table>> versions_;
+};
+
+}  // namespace alloc_internal
+}  // namespace ctxpool
+
+#endif  // CTXPOOL_SRC_ALLOC_ADDRESS_MAP_H_
