@@ -52,6 +52,19 @@ void* operator new(std::size_t n) {
 #endif
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+// Over-aligned types (alignas(64) state) come through these.
+void* operator new(std::size_t n, std::align_val_t al) {
+  if (g_fail_allocations) throw std::bad_alloc();
+  if (g_count_allocations) ++g_allocations;
+  const std::size_t a = static_cast<std::size_t>(al);
+  void* p = std::aligned_alloc(a, ((n == 0 ? 1 : n) + a - 1) / a * a);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept {
+  std::free(p);
+}
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif

@@ -18,7 +18,7 @@
 // cold paths take PluginState::mu_.
 //
 // Lock order: Globals::mu -> PluginState::mu_ -> ModelSession's lock ->
-// the device allocator's lock.
+// the device allocator's locks (its global lock, then its shards').
 
 #include "ctxpool_torch.h"
 

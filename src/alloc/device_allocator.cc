@@ -1,26 +1,69 @@
 // CachingDeviceAllocator: the implementation.
 //
-// Data structures (all guarded by Impl::mu_):
+// The pool is sharded by stream (docs/architecture.md, "Front end, pool,
+// backing"). Each stream's StreamState, its *shard*, has its own spin lock
+// and everything a cached Allocate or Deallocate touches: its free indexes,
+// its live blocks by address, its Block arena, its stats and the owners'
+// sub-accounts. A cached call finds its shard without taking a lock
+// (address_map.h: the stream table for Allocate; the segment page map or
+// the range table for Deallocate) and takes that shard's lock only, once.
+// Everything else is under the global lock mu_: segments, the backings,
+// tenants, the owners' records, pending events, the event pool. A slow path
+// takes mu_ and then every shard's lock (AllShards), so it may read and
+// change any shard as the single-lock allocator did.
 //
-//   segments_     every Segment, by base address (owns them).
-//   streams_      one StreamState per stream seen: its free index per pool
-//                 (small, large) keyed by (size, address), and its stats;
-//                 expandable mode adds an index of unmapped free blocks.
-//   whole_free_   per pool, the wholly free segments of all streams, by
-//                 (size, base): for cross-stream reuse and for Trim.
-//   live_         allocated block by address (the pointer -> block lookup).
-//   pending_      (block, event) pairs of blocks freed while other streams
-//                 still use them (RecordStream); polled with cuEventQuery.
-//   event_pool_   idle events, reused so no free creates an event.
-//   blocks_       the recycling arena of Block objects.
+// Lock order: mu_, then shard locks in any order (only the holder of mu_
+// takes more than one, and a cached call holds one and waits for no other),
+// then the trace recorder's mutex. A cached call that needs the slow path
+// releases its shard lock before it takes mu_.
+//
+// Data structures:
+//   mu_          segments_ (every segment, by base), streams_ (every shard),
+//                pending_, event_pool_, vmm_, tenants_, owners_, counters.
+//   lock-free    stream_table_ (handle -> shard), pages_ (classic: address
+//                -> segment), ranges_ (expandable: address -> range), and a
+//                segment's `shard` (its owner).
+//   ss->mu       free[2] / unmapped[2] (free indexes), whole_free[2] (classic:
+//                the stream's wholly free segments), live (allocated blocks
+//                by address), blocks (the Block arena), stats, pending,
+//                subs (owners' sub-accounts), cache_hits, ops.
+//
+// Device totals (Stats().total) and owners' live bytes are sums over shards
+// whose peaks must be those of the sum. Each is kept by one shard at a
+// time, the *holder*, which adds to it under its own lock; another shard
+// keeps its changes pending (deltas and their running maximum, a PoolStats
+// of deltas whose peaks are the prefix maxima) and takes the sum over by
+// try-locking the holder's lock and folding its pending changes in
+// (TakeHolder). A shard takes over at once from one last used by the same
+// thread, so with one thread, whatever its streams, totals and peaks are
+// exact. A shard that took the sum from another thread, or found it busy,
+// backs off (tries again after 2^k - 1 of its operations, up to
+// kMaxBackoff) and shares no cache line in between; with several threads a
+// peak may then be off by what the shards that do not hold the sum changed
+// within their current window (reported peaks are clamped to the sum of the
+// per-stream peaks). Reserved bytes change only under AllShards, which
+// folds every shard: their peaks stay exact. Readers fold every shard under
+// AllShards, so current values are always exact.
+//
+// Owners' budgets (max) stay exact with no shared write on the cached path:
+// an owner's record hands its max out as credit to sub-accounts (one per
+// stream the owner allocates on); an owned Allocate takes its charge from
+// its sub-account's credit and a Deallocate gives it back, so only refills
+// and returns of whole chunks write the record's atomic `reserved`, and
+// reserved == sum(live + credit) <= max at every moment. When neither the
+// credit nor the record can cover a charge, the slow path takes every
+// shard, pulls all of the owner's credit back and decides on its exact live
+// bytes.
 //
 // Invariants (CheckInvariants checks each one):
 //   I1  the blocks of each segment tile it exactly and are coalesced
 //       (no two neighbours free): see CheckSegmentTiling.
 //   I2  every free block is in exactly one index, its owner stream's index
 //       for its pool, under key (size, address); no other block is indexed.
-//   I3  a segment is in whole_free_[pool] <=> its only block is free.
-//   I4  live_ holds exactly the allocated blocks, keyed by their address.
+//   I3  a segment is in its stream's whole_free[pool] <=> its only block is
+//       free.
+//   I4  each stream's `live` holds exactly its allocated blocks, keyed by
+//       their address.
 //   I5  a pending-free block has pending_events > 0, and pending_ holds
 //       exactly sum(pending_events) entries, all for pending-free blocks.
 //   I6  every stat's current value equals the sum over blocks/segments, per
@@ -32,41 +75,53 @@
 //         (and the same for the *_bytes sums; requested_bytes sums the sizes
 //         callers asked for).
 //   I7  reserved == allocated + pending_free + free  (bytes, in total).
-//   I8  blocks_.live() == number of blocks in all segments.
+//   I8  each stream's arena has handed out exactly the blocks of its
+//       segments.
 //   Expandable mode (one segment per (stream, pool) over a virtual range):
 //   I7 is replaced by
 //   I9  a segment's reserved bytes == its mapped granules × granule, and
 //       every block but the unmapped ones lies on mapped granules;
-//   I10 no expandable segment is in whole_free_, and inactive_split counts
-//       nothing (the unmapped tail is not cached memory);
-//   I12 every physical allocation (the backing's) is mapped granules + cached
-//       pieces + leaked granules (dropped while mapped by a forced Reset):
-//       sum(granules) == mapped + cached + leaked, sum(mapped) × granule ==
-//       reserved, and each cached piece lies inside its allocation;
+//   I10 no expandable segment is wholly free-indexed, and inactive_split
+//       counts nothing (the unmapped tail is not cached memory);
 //   I11 an unmapped block is free, granule aligned, has no mapped granule,
 //       and sits in its stream's `unmapped` index (the mapped free blocks in
 //       `free`); I1's coalescing is per kind: a mapped and an unmapped free
 //       block may be neighbours. A quarantined block (mapped, no access:
 //       a failed cuMemSetAccess whose rollback failed) is free, mapped and
 //       in no index, and never coalesces.
-//   I13 an owner's live charge and live count equal the sums over the
-//       allocated blocks tagged with it, never above its max; only
-//       registered owners tag blocks.
-//   I14 every stream is in exactly one tenant's stream list, its own.
+//   I12 every physical allocation (the backing's) is mapped granules + cached
+//       pieces + leaked granules (dropped while mapped by a forced Reset):
+//       sum(granules) == mapped + cached + leaked, sum(mapped) × granule ==
+//       reserved, and each cached piece lies inside its allocation;
+//   I13 an owner's live charge and count equal the sums over the allocated
+//       blocks tagged with it (each on the sub-account of its block's
+//       stream), its reserved == sum(live + credit) over its sub-accounts,
+//       never above its max; only registered owners tag blocks.
+//   I14 every stream is in exactly one tenant's stream list, its own; a
+//       tenant's `mapped` is the sum of its streams' reserved bytes.
+//   I15 the lock-free maps agree with the books: the stream table finds
+//       every stream, the page map (classic) or the range table
+//       (expandable) finds every segment at its base and last byte, and a
+//       segment's `shard` is the state of its stream.
 //
-// Hot path: Allocate looks up the stream's free index (one LowerBound), and
-// TakeBlock unlinks the block (and links a split remainder), inserts into
-// live_ (capacity reserved), and updates stats: no driver call, no heap
-// allocation once the block arena and live_ are warm. Deallocate is the
-// mirror image. For decay it only bumps the stream's operation counter (and
-// clears a classic segment's idle stamp); the clock is read by the check
-// points (DecayIdle), never here. Everything else (event polling, cross-stream
-// reuse, new segments, the OOM path) is the slow path, which makes the
-// allocator's context current with ScopedContext.
+// Hot path: Allocate finds its shard, locks it, looks up the free index
+// (one LowerBound) and TakeBlock unlinks the block (and links a split
+// remainder), inserts it into the shard's `live` (capacity reserved) and
+// updates the shard's stats and the device totals (or the shard's pending
+// changes); an owned call also charges its sub-account: no driver call, no
+// heap allocation once the shard is warm. Deallocate is the mirror image.
+// For decay it only bumps the stream's operation counter (and clears a
+// classic segment's idle stamp); the clock is read by the check points
+// (DecayIdle), never here. Everything else (a stream's first use, event
+// polling, cross-stream reuse, new segments, the OOM path, errors) is the
+// slow path.
 #include "ctxpool/alloc/device_allocator.h"
+
+#include <pthread.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -87,8 +142,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "address_map.h"
 #include "classic_backing.h"
 #include "ctxpool/core/block.h"
 #include "ctxpool/core/fork_guard.h"
@@ -111,44 +166,118 @@ using alloc_internal::BackedRange;
 using alloc_internal::ClassicBacking;
 using alloc_internal::ExpandableBacking;
 using alloc_internal::ExpandableOptions;
+using alloc_internal::RangeTable;
 using alloc_internal::SegmentBacking;
+using alloc_internal::SegmentPageMap;
+using alloc_internal::StreamTable;
 using alloc_internal::StuckPiece;
 using alloc_internal::VmmRange;
+using core_internal::SpinLock;
+using core_internal::SpinLockHolder;
 
-constexpr std::size_t kInitialLiveCapacity = 4096;
+// The most operations a shard defers its share of a sum while another
+// thread holds it (TakeHolder).
+constexpr std::uint32_t kMaxBackoff = 1023;
+
+// True while this thread holds every shard lock of an allocator (AllShards):
+// then no other thread can touch a sum, and a shard takes it at once.
+thread_local bool tls_all_shards_held = false;
+
+// A shard's live map starts with room for this many blocks.
+constexpr std::size_t kInitialLiveCapacity = 256;
 
 int PoolIndex(bool small) { return small ? 0 : 1; }
 
-// The cached state of one stream: a free index per pool and its stats.
-struct StreamState {
-  explicit StreamState(std::uint64_t s) : stream(s) {}
-  std::uint64_t stream;
-  FreeIndex<Block> free[2];  // [0] small pool, [1] large pool
+struct StreamState;
+struct OwnerRec;
+
+// How a shard takes part in a sum kept by a holder shard (TakeHolder): the
+// operations to wait before it tries to take the sum over again, and the
+// next wait, doubled while other threads keep it.
+struct FoldCtl {
+  std::uint32_t countdown = 0;
+  std::uint32_t backoff = 0;
+};
+
+// An owner's share on one stream: guarded by that stream's shard lock
+// (the shard owns it; blocks of the owner on the stream point at it). Its
+// own cache line: sub-accounts of one owner on two streams are written by
+// two threads.
+struct alignas(64) SubAccount {
+  OwnerId owner = kNoOwner;
+  OwnerRec* rec = nullptr;
+  std::size_t max = 0;     // the owner's max (0: none)
+  std::size_t chunk = 0;   // credit taken from the record at a time
+  bool closed = false;     // the owner refuses allocations
+  std::size_t credit = 0;  // reserved from the record, not charged yet
+  std::size_t live = 0;    // charged bytes of its live blocks
+  std::size_t peak = 0;    // of `live`
+  std::size_t requested = 0;
+  std::int64_t allocs = 0;
+  std::int64_t frees = 0;
+  std::int64_t reclaimed = 0;  // freed by CloseOwner or a forced Reset
+  // Changes of `live` not yet in the owner's sum (delta, its running max).
+  std::int64_t pending_live = 0;
+  std::int64_t pending_peak = 0;
+  FoldCtl fold;
+};
+
+// The cached state of one stream: a shard of the pool (see the file
+// comment). Its own cache line, so that threads on different streams share
+// none on the cached path.
+struct alignas(64) StreamState {
+  explicit StreamState(std::uint64_t s) : stream(s) {
+    live.reserve(kInitialLiveCapacity);
+  }
+  mutable SpinLock mu;
+  const std::uint64_t stream;
+  FreeIndex<Block> free[2] ABSL_GUARDED_BY(mu);  // [0] small, [1] large
   // Expandable mode: `free` holds only free blocks on mapped granules (the
   // hot path takes them as they are); the free blocks over unmapped
   // granules of the stream's ranges sit here, by (size, address).
-  FreeIndex<Block> unmapped[2];
-  PoolStats stats;
+  FreeIndex<Block> unmapped[2] ABSL_GUARDED_BY(mu);
+  // Classic mode: the stream's wholly free segments, by (size, base).
+  FreeIndex<Segment> whole_free[2] ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<std::uint64_t, Block*> live ABSL_GUARDED_BY(mu);
+  BlockPool blocks ABSL_GUARDED_BY(mu);
+  PoolStats stats ABSL_GUARDED_BY(mu);
+  // Changes not yet in the device totals (see the file comment).
+  PoolStats pending ABSL_GUARDED_BY(mu);
+  FoldCtl totals_fold ABSL_GUARDED_BY(mu);
+  std::int64_t cache_hits ABSL_GUARDED_BY(mu) = 0;
+  absl::InlinedVector<std::unique_ptr<SubAccount>, 2> subs ABSL_GUARDED_BY(mu);
   // Found destroyed (CUDA_ERROR_INVALID_HANDLE) and its work waited for:
   // nothing can be enqueued on it any more, so its memory is idle.
-  bool destroyed = false;
+  bool destroyed ABSL_GUARDED_BY(mu) = false;
   // RetireStream: the handle is dead to the allocator; `retire_event`,
   // recorded on it before it was destroyed, orders all its work.
-  bool retired = false;
-  EventHandle retire_event;
-  TenantId tenant = kDefaultTenant;
+  bool retired ABSL_GUARDED_BY(mu) = false;
+  EventHandle retire_event ABSL_GUARDED_BY(mu);
+  TenantId tenant ABSL_GUARDED_BY(mu) = kDefaultTenant;
+  // The tenant's high and its mapped bytes (expandable: a free above high
+  // sheds on the slow path).
+  std::size_t tenant_high ABSL_GUARDED_BY(mu) = kNoLimit;
+  const std::atomic<std::size_t>* tenant_mapped ABSL_GUARDED_BY(mu) = nullptr;
   // Expandable mode: the stream's range segment per pool (null until used).
-  Segment* range[2] = {nullptr, nullptr};
-  // Decay (expandable mode). `ops` counts the blocks taken and freed on the
-  // stream: a plain increment on the hot path, which never reads the clock.
-  // Each decay check compares it with `ops_seen`; when it moved (or at the
-  // first check) `active_at` becomes the check's time, so idleness is
-  // measured between checks. `decayed_ops` is `ops` when the stream's free
-  // granules were last unmapped by decay: nothing to do until it moves.
-  std::uint64_t ops = 0;
-  std::uint64_t ops_seen = 0;
-  absl::Time active_at = absl::InfinitePast();
-  std::uint64_t decayed_ops = std::numeric_limits<std::uint64_t>::max();
+  Segment* range[2] ABSL_GUARDED_BY(mu) = {nullptr, nullptr};
+  // Decay. `ops` counts the blocks taken and freed on the stream: a plain
+  // increment on the hot path, which never reads the clock. Each decay
+  // check compares it with `ops_seen`; when it moved (or at the first
+  // check) `active_at` becomes the check's time, so idleness is measured
+  // between checks. `decayed_ops` is `ops` when the stream's free granules
+  // were last unmapped by decay: nothing to do until it moves.
+  std::uint64_t ops ABSL_GUARDED_BY(mu) = 0;
+  std::uint64_t ops_seen ABSL_GUARDED_BY(mu) = 0;
+  absl::Time active_at ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+  std::uint64_t decayed_ops ABSL_GUARDED_BY(mu) =
+      std::numeric_limits<std::uint64_t>::max();
+
+  SubAccount* FindSub(OwnerId owner) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (const auto& s : subs) {
+      if (s->owner == owner) return s.get();
+    }
+    return nullptr;
+  }
 };
 
 // Orders streams by handle, so that loops over them (Trim, decay, a tenant's
@@ -160,12 +289,16 @@ void SortByStream(std::vector<StreamState*>* v) {
             });
 }
 
-// The allocator's segment: a core Segment plus the decay stamp of classic
-// mode. `free_since` is InfinitePast while the segment is in use or not yet
-// seen wholly free by a decay check; the first check that finds it wholly
-// free stamps it (lazily, so the hot path never reads the clock) and
-// indexing it wholly free again resets the stamp.
+// The allocator's segment: a core Segment plus its shard (read without a
+// lock by Deallocate after the address maps found the segment) and the
+// decay stamp of classic mode. `free_since` is InfinitePast while the
+// segment is in use or not yet seen wholly free by a decay check; the first
+// check that finds it wholly free stamps it (lazily, so the hot path never
+// reads the clock) and indexing it wholly free again resets the stamp.
+// Segments are recycled, never deleted before the allocator, so a reader
+// holding a stale one reads a valid object.
 struct DeviceSegment : Segment {
+  std::atomic<StreamState*> shard{nullptr};
   absl::Time free_since = absl::InfinitePast();
 };
 
@@ -176,6 +309,9 @@ struct Tenant {
   // the default's), so that the per-tenant sums the reclaim and budget
   // paths take cost O(the tenant's streams), not O(every stream).
   std::vector<StreamState*> streams;
+  // The reserved bytes of its streams (read without the lock by the free
+  // path of a tenant with a high).
+  std::atomic<std::size_t> mapped{0};
   std::size_t peak = 0;
   std::size_t reclaimed_from = 0;
   std::size_t reclaimed_by = 0;
@@ -186,21 +322,34 @@ struct Tenant {
   bool registered = true;
 };
 
-// An owner of allocations (RegisterOwner): its live charge and counters,
-// updated under the allocator's lock by TakeBlock and RemoveAllocatedStats.
-struct alignas(64) OwnerRec {  // written on every owned call: a line of its own
+// An owner of allocations (RegisterOwner). Its live bytes are the sum of its
+// sub-accounts'; `reserved` is what it has handed out as credit plus charged
+// (see the file comment).
+struct OwnerRec {
   std::string name;
   std::size_t max = 0;  // 0: none
-  std::size_t live = 0;
-  std::size_t peak = 0;
-  std::size_t requested = 0;
-  std::int64_t allocs = 0;
-  std::int64_t frees = 0;
-  std::int64_t reclaimed = 0;  // freed by CloseOwner or a forced Reset
+  std::size_t chunk = 0;
+  std::atomic<std::size_t> reserved{0};
+  std::atomic<bool> closed{false};
+  // Counters of the slow paths (mu_).
   std::int64_t ooms = 0;
   std::int64_t rejections = 0;
   std::int64_t invalid_frees = 0;
-  bool closed = false;
+  // The shards where it has a sub-account (mu_).
+  std::vector<StreamState*> shards;
+  // The sum of its sub-accounts' live bytes and its peak, kept by a holder
+  // shard (under that shard's lock; every shard's under AllShards).
+  // `holder` is read on every owned call: a line of its own, apart from
+  // what the holder writes.
+  // `holder` and `holder_thread` are read on every owned call and written
+  // only at take-overs: a line of their own, apart from what the holder
+  // writes on every call.
+  struct alignas(64) Sum {
+    std::atomic<StreamState*> holder{nullptr};
+    std::atomic<pthread_t> holder_thread{};
+    alignas(64) std::int64_t live = 0;
+    std::int64_t peak = 0;
+  } sum;
 };
 
 // One event a pending-free block waits for.
@@ -218,6 +367,11 @@ bool IsInvalidHandle(const absl::Status& s) {
 bool IsOutOfMemory(const absl::Status& s) {
   std::optional<int> code = DriverErrorCode(s);
   return code.has_value() && *code == cu::kErrorOutOfMemory;
+}
+
+StreamState* ShardOf(const Segment* seg) {
+  return static_cast<const DeviceSegment*>(seg)->shard.load(
+      std::memory_order_relaxed);
 }
 
 BlockInfo ToInfo(const Block& b) {
@@ -250,6 +404,37 @@ SizeClassConfig ToSizeConfig(const DeviceAllocatorOptions& o) {
 }
 
 bool IsPowerOfTwo(std::size_t n) { return n != 0 && (n & (n - 1)) == 0; }
+
+// The page of the classic segment map: a power of two no larger than the
+// smallest segment, so that at most one segment starts inside a page; at
+// most 2 MiB.
+int PageShift(const DeviceAllocatorOptions& o) {
+  std::size_t smallest = std::min(
+      {o.small_segment_bytes, o.large_segment_bytes, o.large_round_bytes});
+  smallest = std::min<std::size_t>(absl::bit_floor(smallest), 2u << 20);
+  return absl::countr_zero(smallest);
+}
+
+// Folds the pending changes `p` (deltas whose peaks are their prefix maxima)
+// into the sum `s`, and clears them.
+void FoldStat(Stat& s, Stat& p) {
+  s.peak = std::max(s.peak, s.current + p.peak);
+  s.current += p.current;
+  s.allocated += p.allocated;
+  s.freed += p.freed;
+  p = Stat();
+}
+void FoldPoolStats(PoolStats& into, PoolStats& pending) {
+  std::array<StatArray*, 9> dst;
+  std::array<StatArray*, 9> src;
+  std::size_t n = 0;
+  into.ForEach([&](StatArray& a) { dst[n++] = &a; });
+  n = 0;
+  pending.ForEach([&](StatArray& a) { src[n++] = &a; });
+  for (std::size_t i = 0; i < n; ++i) {
+    for (int p = 0; p < 3; ++p) FoldStat((*dst[i])[p], (*src[i])[p]);
+  }
+}
 
 }  // namespace
 
@@ -311,11 +496,11 @@ class CachingDeviceAllocator::Impl {
         expandable_(options_.backing == BackingMode::kExpandable),
         granule_(granule),
         backing_(std::make_unique<ClassicBacking>(driver)),
+        pages_(PageShift(options_)),
         vmm_(driver, device, granule,
              ExpandableOptions{options_.vmm_unit_divisor,
                                options_.memory_limit_bytes, device_total},
              options_.clock) {
-    live_.reserve(kInitialLiveCapacity);
     auto t = std::make_unique<Tenant>();
     t->name = "default";
     tenants_.push_back(std::move(t));
@@ -326,11 +511,12 @@ class CachingDeviceAllocator::Impl {
     // the parent's driver state: touch none of it, leak it.
     if (fork_guard_.InForkedChild()) return;
     Reset(/*force=*/true).IgnoreError();
-    core_internal::SpinLockHolder lock(&mu_);
+    AllShards lock(this);
     {
       ScopedContext ctx(driver_, ctx_);
       if (ctx.status().ok()) {
         for (auto& [stream, ss] : streams_) {
+          ss->mu.AssertHeld();
           if (ss->retired) PutEvent(ss->retire_event);
         }
         for (EventHandle e : event_pool_) driver_.EventDestroy(e).IgnoreError();
@@ -350,6 +536,45 @@ class CachingDeviceAllocator::Impl {
   const DeviceAllocatorOptions& options() const { return options_; }
   TraceRecorder& recorder() { return recorder_; }
 
+ private:
+  // The slow paths' lock: mu_, then every shard's lock (see the file
+  // comment). Shards made while it is held are locked by GetStream before
+  // they are published, and unlocked here with the others. With every
+  // shard held it folds their pending changes in and leaves the sums
+  // without a holder, so that the slow path (and the next cached call of
+  // any shard) takes them over without a wait.
+  class ABSL_SCOPED_LOCKABLE AllShards {
+   public:
+    explicit AllShards(const Impl* impl)
+        ABSL_EXCLUSIVE_LOCK_FUNCTION(impl->mu_) ABSL_NO_THREAD_SAFETY_ANALYSIS
+        : impl_(impl) {
+      impl_->mu_.Lock();
+      for (const auto& [stream, ss] : impl_->streams_) ss->mu.Lock();
+      impl_->FoldAll(/*release=*/true);
+      tls_all_shards_held = true;
+    }
+    ~AllShards() ABSL_UNLOCK_FUNCTION() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      tls_all_shards_held = false;
+      for (const auto& [stream, ss] : impl_->streams_) ss->mu.Unlock();
+      impl_->mu_.Unlock();
+    }
+    AllShards(const AllShards&) = delete;
+    AllShards& operator=(const AllShards&) = delete;
+
+   private:
+    const Impl* const impl_;
+  };
+
+  // Who an allocation is for: the owner, its sub-account on the allocation
+  // stream (charged `charge` bytes) and the caller's label.
+  struct Tag {
+    OwnerId owner = kNoOwner;
+    SubAccount* sub = nullptr;
+    const char* label = nullptr;
+    std::size_t charge = 0;
+  };
+
+ public:
   // ---- Allocate / Deallocate ----------------------------------------------
 
   absl::StatusOr<DevicePtr> Allocate(std::size_t bytes, StreamHandle stream,
@@ -358,92 +583,20 @@ class CachingDeviceAllocator::Impl {
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::Allocate"));
     if (ABSL_PREDICT_FALSE(bytes > device_total_)) {
-      core_internal::SpinLockHolder lock(&mu_);
-      // An owner's budget (or its being closed) speaks first.
-      if (owner != kNoOwner) CTXPOOL_RETURN_IF_ERROR(CheckCharge(owner, bytes));
-      ++invalid_requests_;
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "Allocate(%d bytes): larger than device %d's total memory (%d "
-          "bytes)",
-          bytes, device_, device_total_));
+      return TooLarge(bytes, owner);
     }
     const std::size_t rounded = classes_.Round(bytes);
     const bool small = classes_.IsSmall(rounded);
-    OomReport report;
-    {
-      core_internal::SpinLockHolder lock(&mu_);
-      if (ABSL_PREDICT_FALSE(owner != kNoOwner)) {
-        CTXPOOL_RETURN_IF_ERROR(CheckCharge(owner, bytes));
-      }
-      if (auto p = TryAllocateTagged(stream, rounded, bytes, small, &report,
-                                     owner, label)) {
-        return *std::move(p);
+    if (StreamState* ss = stream_table_.Find(stream.value())) {
+      SpinLockHolder lock(&ss->mu);
+      Tag tag;
+      if (Block* b = CachedFit(ss, rounded, bytes, small, owner, &tag)) {
+        ++ss->cache_hits;
+        tag.label = label;
+        return Traced(ss, TakeBlock(ss, b, rounded, bytes, tag), bytes);
       }
     }
-    if (options_.on_oom && options_.on_oom(report)) {
-      core_internal::SpinLockHolder lock(&mu_);
-      // The lock was dropped: the owner may have been closed or charged.
-      if (ABSL_PREDICT_FALSE(owner != kNoOwner)) {
-        CTXPOOL_RETURN_IF_ERROR(CheckCharge(owner, bytes));
-      }
-      if (auto p = TryAllocateTagged(stream, rounded, bytes, small, &report,
-                                     owner, label)) {
-        return *std::move(p);
-      }
-    }
-    core_internal::SpinLockHolder lock(&mu_);
-    ++num_ooms_;
-    if (OwnerRec* o = FindOwner(owner)) ++o->ooms;
-    StreamState* ss = GetStream(stream.value());
-    ++tenants_[ss->tenant]->ooms;
-    if (recorder_.enabled()) {
-      recorder_.Record(TraceOp::kOom, 0, bytes, ss->stream, ss->tenant);
-    }
-    return absl::ResourceExhaustedError(report.ToString());
-  }
-
-  // TryAllocate with the block tagged for `owner` (TakeBlock reads the tag).
-  std::optional<absl::StatusOr<DevicePtr>> TryAllocateTagged(
-      StreamHandle stream, std::size_t rounded, std::size_t bytes, bool small,
-      OomReport* report, OwnerId owner, const char* label)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (owner == kNoOwner) {  // next_owner_ is kNoOwner between calls
-      return TryAllocate(stream, rounded, bytes, small, report);
-    }
-    // Cleared however TryAllocate leaves (a std::bad_alloc of a host
-    // container included), so no later block inherits the tag.
-    struct TagScope {
-      Impl* impl;
-      ~TagScope() ABSL_NO_THREAD_SAFETY_ANALYSIS {  // mu_ is held
-        impl->next_owner_ = kNoOwner;
-        impl->next_owner_rec_ = nullptr;
-        impl->next_label_ = nullptr;
-      }
-    } scope{this};
-    next_owner_ = owner;
-    next_owner_rec_ = owners_[owner - 1].get();  // CheckCharge found it
-    next_label_ = label;
-    return TryAllocate(stream, rounded, bytes, small, report);
-  }
-
-  // One attempt: the cached hot path, else the slow path (new memory, the
-  // allocator's own retry). std::nullopt when it ran out of memory; `report`
-  // then says why.
-  std::optional<absl::StatusOr<DevicePtr>> TryAllocate(
-      StreamHandle stream, std::size_t rounded, std::size_t bytes, bool small,
-      OomReport* report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    StreamState* ss = GetStream(stream.value());
-    // The cached hot path. In expandable mode the index holds only blocks
-    // on mapped granules, so a fit is served as it is: no driver call.
-    if (Block* b = FindFree(ss, rounded, small)) {
-      ++cache_hits_;
-      return Traced(TakeBlock(b, rounded, bytes), bytes, ss);
-    }
-    bool oom = false;
-    absl::StatusOr<DevicePtr> p =
-        AllocateSlow(ss, rounded, bytes, small, report, &oom);
-    if (oom) return std::nullopt;
-    return Traced(p, bytes, ss);
+    return AllocateSlowPath(bytes, stream, rounded, small, owner, label);
   }
 
   // kChecked: `check` may refuse the free (the plain Deallocate passes
@@ -453,70 +606,239 @@ class CachingDeviceAllocator::Impl {
       ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::Deallocate"));
-    core_internal::SpinLockHolder lock(&mu_);
-    auto it = live_.find(ptr.address());
-    if (ABSL_PREDICT_FALSE(it == live_.end())) {
-      CountInvalidFree(check.owner);
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "Deallocate(0x%x): not the start of a live block of this allocator "
-          "(foreign pointer or double free)",
-          ptr.address()));
-    }
-    if constexpr (kChecked) {
-      CTXPOOL_RETURN_IF_ERROR(CheckFree(*it->second, ptr, check));
-      if (ABSL_PREDICT_FALSE(check.order_after_stream)) {
-        CTXPOOL_RETURN_IF_ERROR(AddStreamUse(it->second, check.stream));
+    if (StreamState* ss = ShardOfAddress(ptr.address())) {
+      bool shed = false;
+      bool freed = false;
+      {
+        SpinLockHolder lock(&ss->mu);
+        auto it = ss->live.find(ptr.address());
+        if (ABSL_PREDICT_TRUE(it != ss->live.end()) &&
+            ABSL_PREDICT_TRUE(it->second->stream_uses.empty()) &&
+            (!kChecked || FreeIsPlain(*it->second, check))) {
+          FreePlain(ss, it);
+          freed = true;
+          shed = ABSL_PREDICT_FALSE(ss->tenant_high != kNoLimit) &&
+                 MappedAboveHigh(ss);
+        }
+      }
+      if (ABSL_PREDICT_TRUE(freed)) {
+        if (ABSL_PREDICT_FALSE(shed)) ShedSlowPath(ptr);
+        return absl::OkStatus();
       }
     }
-    return FreeLive(it);
-  }
-
-  // Frees the live block at `it` (Deallocate after its checks).
-  ABSL_ATTRIBUTE_ALWAYS_INLINE absl::Status FreeLive(
-      absl::flat_hash_map<std::uint64_t, Block*>::iterator it)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Block* b = it->second;
-    if (ABSL_PREDICT_FALSE(!b->stream_uses.empty())) {
-      return DeallocateWithUses(b);
-    }
-    live_.erase(it);
-    StreamState* ss = Owner(b->segment);
-    if (recorder_.enabled()) {
-      recorder_.Record(TraceOp::kFree, b->address, b->requested, ss->stream,
-                       ss->tenant);
-      recorder_.Record(TraceOp::kFreeCompleted, b->address, b->size, ss->stream,
-                       ss->tenant);
-    }
-    RemoveAllocatedStats(b);
-    FreeToIndex(b);
-    if (ABSL_PREDICT_FALSE(expandable_ &&
-                           tenants_[ss->tenant]->budget.high != kNoLimit)) {
-      ShedAboveHigh(ss->tenant);
-    }
-    return absl::OkStatus();
+    return DeallocateSlowPath<kChecked>(ptr, check);
   }
 
   absl::Status RecordStream(DevicePtr ptr, StreamHandle stream, OwnerId owner)
       ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::RecordStream"));
-    core_internal::SpinLockHolder lock(&mu_);
-    auto it = live_.find(ptr.address());
-    if (it == live_.end() ||
-        (owner != kAnyOwner && it->second->owner != owner)) {
-      ++invalid_requests_;
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "RecordStream(0x%x): not the start of a live block%s", ptr.address(),
-          owner != kAnyOwner ? " of this owner" : ""));
+    if (StreamState* ss = ShardOfAddress(ptr.address())) {
+      SpinLockHolder lock(&ss->mu);
+      auto it = ss->live.find(ptr.address());
+      if (it != ss->live.end() &&
+          (owner == kAnyOwner || it->second->owner == owner)) {
+        return AddStreamUse(it->second, stream);
+      }
     }
-    return AddStreamUse(it->second, stream);
+    AllShards lock(this);
+    ++invalid_requests_;
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "RecordStream(0x%x): not the start of a live block%s", ptr.address(),
+        owner != kAnyOwner ? " of this owner" : ""));
+  }
+
+ private:
+  // The cached path's fit for a request on `ss`: a mapped free block that
+  // serves it, its owner able to pay (sub-account open, credit available).
+  // Null when the slow path must decide.
+  // Sets *tag's owner, sub-account and charge.
+  ABSL_ATTRIBUTE_ALWAYS_INLINE Block* CachedFit(StreamState* ss,
+                                                std::size_t rounded,
+                                                std::size_t bytes, bool small,
+                                                OwnerId owner, Tag* tag)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
+    if (ABSL_PREDICT_FALSE(ss->retired | ss->destroyed)) return nullptr;
+    if (ABSL_PREDICT_FALSE(owner != kNoOwner)) {
+      SubAccount* sub = ss->FindSub(owner);
+      const std::size_t charge = Charge(bytes);
+      if (sub == nullptr || sub->closed || !TakeCredit(*sub, charge)) {
+        return nullptr;
+      }
+      *tag = Tag{owner, sub, nullptr, charge};
+    }
+    return FindFree(ss, rounded, small);
+  }
+
+  // Deallocate's checks when they let the cached path free the block (one
+  // no other stream used): the check passes and nothing orders the free
+  // after another stream.
+  static bool FreeIsPlain(const Block& b, const FreeCheck& check) {
+    return (check.owner == kAnyOwner || b.owner == check.owner) &&
+           (!check.owned_only || b.owner != kNoOwner) &&
+           (!check.check_size || b.requested == check.requested_bytes) &&
+           (!check.order_after_stream ||
+            check.stream.value() == b.segment->stream);
+  }
+
+  // Expandable mode: the tenant of `ss` holds more than its high.
+  bool MappedAboveHigh(StreamState* ss) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
+    return expandable_ && ss->tenant_mapped != nullptr &&
+           ss->tenant_mapped->load(std::memory_order_relaxed) > ss->tenant_high;
+  }
+
+  // A request larger than the device: INVALID_ARGUMENT, unless an owner's
+  // budget (or its being closed) speaks first.
+  absl::Status TooLarge(std::size_t bytes, OwnerId owner)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    AllShards lock(this);
+    if (owner != kNoOwner) {
+      CTXPOOL_RETURN_IF_ERROR(CheckOwner("Allocate", owner, bytes));
+    }
+    ++invalid_requests_;
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "Allocate(%d bytes): larger than device %d's total memory (%d "
+        "bytes)",
+        bytes, device_, device_total_));
+  }
+
+  absl::StatusOr<DevicePtr> AllocateSlowPath(std::size_t bytes,
+                                             StreamHandle stream,
+                                             std::size_t rounded, bool small,
+                                             OwnerId owner, const char* label)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    OomReport report;
+    {
+      AllShards lock(this);
+      if (auto p = TryAllocateSlow(bytes, stream, rounded, small, owner, label,
+                                   &report)) {
+        return *std::move(p);
+      }
+    }
+    if (options_.on_oom && options_.on_oom(report)) {
+      AllShards lock(this);
+      // The locks were dropped: the owner may have been closed or charged.
+      if (auto p = TryAllocateSlow(bytes, stream, rounded, small, owner, label,
+                                   &report)) {
+        return *std::move(p);
+      }
+    }
+    AllShards lock(this);
+    ++num_ooms_;
+    if (OwnerRec* o = FindOwner(owner)) ++o->ooms;
+    StreamState* ss = GetStream(stream.value());
+    ss->mu.AssertHeld();
+    ++tenants_[ss->tenant]->ooms;
+    if (recorder_.enabled()) {
+      recorder_.Record(TraceOp::kOom, 0, bytes, ss->stream, ss->tenant);
+    }
+    return absl::ResourceExhaustedError(report.ToString());
+  }
+
+  // One attempt of the slow path: the owner's checks and charge, then the
+  // cached fit, then new memory and the allocator's own retry. std::nullopt
+  // when it ran out of memory; `report` then says why.
+  std::optional<absl::StatusOr<DevicePtr>> TryAllocateSlow(
+      std::size_t bytes, StreamHandle stream, std::size_t rounded, bool small,
+      OwnerId owner, const char* label, OomReport* report)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    StreamState* ss = GetStream(stream.value());
+    ss->mu.AssertHeld();
+    Tag tag;
+    tag.owner = owner;
+    tag.label = label;
+    if (owner != kNoOwner) {
+      absl::Status charged = ChargeSlow(owner, bytes, ss, &tag);
+      if (!charged.ok()) return absl::StatusOr<DevicePtr>(charged);
+    }
+    if (Block* b = FindFree(ss, rounded, small)) {
+      ++ss->cache_hits;
+      return Traced(ss, TakeBlock(ss, b, rounded, bytes, tag), bytes);
+    }
+    bool oom = false;
+    absl::StatusOr<DevicePtr> p =
+        AllocateSlow(ss, rounded, bytes, small, report, &oom, tag);
+    if (oom) return std::nullopt;
+    return Traced(ss, std::move(p), bytes);
+  }
+
+  // The slow end of Deallocate: errors, blocks other streams used, and the
+  // free of a tenant above its high (expandable: it sheds).
+  template <bool kChecked>
+  absl::Status DeallocateSlowPath(DevicePtr ptr, const FreeCheck& check)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    AllShards lock(this);
+    StreamState* ss = ShardOfAddress(ptr.address());
+    Block* b = nullptr;
+    if (ss != nullptr) {
+      ss->mu.AssertHeld();
+      auto it = ss->live.find(ptr.address());
+      if (it != ss->live.end()) b = it->second;
+    }
+    if (ABSL_PREDICT_FALSE(b == nullptr)) {
+      CountInvalidFree(check.owner);
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "Deallocate(0x%x): not the start of a live block of this allocator "
+          "(foreign pointer or double free)",
+          ptr.address()));
+    }
+    ss->mu.AssertHeld();
+    if constexpr (kChecked) {
+      CTXPOOL_RETURN_IF_ERROR(CheckFree(*b, ptr, check));
+      if (check.order_after_stream) {
+        CTXPOOL_RETURN_IF_ERROR(AddStreamUse(b, check.stream));
+      }
+    }
+    CTXPOOL_RETURN_IF_ERROR(FreeLive(ss, ss->live.find(ptr.address())));
+    if (expandable_ && tenants_[ss->tenant]->budget.high != kNoLimit) {
+      ShedAboveHigh(ss->tenant);
+    }
+    return absl::OkStatus();
+  }
+
+  // After a cached free left a tenant above its high: shed (expandable).
+  void ShedSlowPath(DevicePtr ptr) ABSL_LOCKS_EXCLUDED(mu_) {
+    AllShards lock(this);
+    if (StreamState* ss = ShardOfAddress(ptr.address())) {
+      ss->mu.AssertHeld();
+      ShedAboveHigh(ss->tenant);
+    }
+  }
+
+  // Frees the live block at `it` of `ss` (Deallocate after its checks).
+  // REQUIRES: AllShards when other streams used the block.
+  absl::Status FreeLive(StreamState* ss,
+                        absl::flat_hash_map<std::uint64_t, Block*>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
+    Block* b = it->second;
+    if (ABSL_PREDICT_FALSE(!b->stream_uses.empty())) {
+      mu_.AssertHeld();  // only the slow path frees a block with uses
+      return DeallocateWithUses(ss, b);
+    }
+    FreePlain(ss, it);
+    return absl::OkStatus();
+  }
+  // FreeLive of a block no other stream used.
+  void FreePlain(StreamState* ss,
+                 absl::flat_hash_map<std::uint64_t, Block*>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
+    Block* b = it->second;
+    ss->live.erase(it);
+    if (ABSL_PREDICT_FALSE(recorder_.enabled())) {
+      recorder_.Record(TraceOp::kFree, b->address, b->requested, ss->stream,
+                       ss->tenant);
+      recorder_.Record(TraceOp::kFreeCompleted, b->address, b->size, ss->stream,
+                       ss->tenant);
+    }
+    RemoveAllocatedStats(ss, b);
+    FreeToIndex(ss, b);
   }
 
   // Orders the free of the live block `b` after `stream`'s work too (a
   // no-op for its allocation stream). RESOURCE_EXHAUSTED, nothing changed,
   // when the host is out of memory.
-  absl::Status AddStreamUse(Block* b, StreamHandle stream)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  absl::Status AddStreamUse(Block* b, StreamHandle stream) {
     if (stream.value() == b->segment->stream) return absl::OkStatus();
     for (std::uint64_t s : b->stream_uses) {
       if (s == stream.value()) return absl::OkStatus();
@@ -530,6 +852,7 @@ class CachingDeviceAllocator::Impl {
     return absl::OkStatus();
   }
 
+ public:
   // ---- Owners ----------------------------------------------------------
 
   absl::StatusOr<OwnerId> RegisterOwner(absl::string_view name,
@@ -543,7 +866,8 @@ class CachingDeviceAllocator::Impl {
     auto o = std::make_unique<OwnerRec>();
     o->name = std::string(name);
     o->max = max_live_bytes;
-    core_internal::SpinLockHolder lock(&mu_);
+    o->chunk = CreditChunk(max_live_bytes);
+    SpinLockHolder lock(&mu_);
     if (owners_.size() >= kAnyOwner - 1) {
       return absl::ResourceExhaustedError("RegisterOwner: out of owner ids");
     }
@@ -553,15 +877,15 @@ class CachingDeviceAllocator::Impl {
 
   absl::StatusOr<OwnerStats> GetOwnerStats(OwnerId owner) const
       ABSL_LOCKS_EXCLUDED(mu_) {
-    core_internal::SpinLockHolder lock(&mu_);
-    const OwnerRec* o = FindOwner(owner);
+    AllShards lock(this);
+    OwnerRec* o = FindOwner(owner);
     if (o == nullptr) return UnknownOwner("GetOwnerStats", owner);
-    return ToStats(*o);
+    return ToStats(owner, *o);
   }
 
   absl::StatusOr<std::vector<OwnedBlock>> OwnedBlocks(OwnerId owner) const
       ABSL_LOCKS_EXCLUDED(mu_) {
-    core_internal::SpinLockHolder lock(&mu_);
+    AllShards lock(this);
     if (FindOwner(owner) == nullptr) return UnknownOwner("OwnedBlocks", owner);
     return ListOwned(owner);
   }
@@ -571,53 +895,69 @@ class CachingDeviceAllocator::Impl {
     freed->clear();
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::CloseOwner"));
-    core_internal::SpinLockHolder lock(&mu_);
+    AllShards lock(this);
     OwnerRec* o = FindOwner(owner);
     if (o == nullptr) return UnknownOwner("CloseOwner", owner);
-    o->closed = true;
+    // Every shard is locked: an allocation of the owner either came before
+    // (its block is listed below) or will see it closed.
+    o->closed.store(true, std::memory_order_relaxed);
+    for (StreamState* ss : o->shards) {
+      ss->mu.AssertHeld();
+      ss->FindSub(owner)->closed = true;
+    }
     std::vector<OwnedBlock> live = ListOwned(owner);
     freed->reserve(live.size());
     absl::Status first_error;
     for (const OwnedBlock& ob : live) {
-      auto it = live_.find(ob.ptr.address());
-      if (it == live_.end()) continue;  // cannot happen: listed under the lock
-      absl::Status s = FreeLive(it);
+      StreamState* ss = ShardOfAddress(ob.ptr.address());
+      ss->mu.AssertHeld();
+      auto it = ss->live.find(ob.ptr.address());
+      if (it == ss->live.end()) continue;  // cannot be: listed under the lock
+      auto* sub = static_cast<SubAccount*>(it->second->owner_data);
+      absl::Status s = FreeLive(ss, it);
       if (s.ok()) {
-        --o->frees;  // a reclaim, not the owner's free
-        ++o->reclaimed;
+        --sub->frees;  // a reclaim, not the owner's free
+        ++sub->reclaimed;
         freed->push_back(ob);
       } else if (first_error.ok()) {
         first_error = s;
       }
     }
+    DrainCredit(owner, *o);
     return first_error;
   }
 
   absl::StatusOr<OwnerStats> UnregisterOwner(OwnerId owner)
       ABSL_LOCKS_EXCLUDED(mu_) {
-    core_internal::SpinLockHolder lock(&mu_);
+    AllShards lock(this);
     OwnerRec* o = FindOwner(owner);
     if (o == nullptr) return UnknownOwner("UnregisterOwner", owner);
-    if (o->allocs != o->frees + o->reclaimed) {
-      for (auto& [address, b] : live_) {
-        if (b->owner == owner) {
-          b->owner = kNoOwner;
-          b->owner_data = nullptr;
-          b->label = nullptr;  // it may point into the owner's memory
+    OwnerStats st = ToStats(owner, *o);
+    for (StreamState* ss : o->shards) {
+      ss->mu.AssertHeld();
+      SubAccount* sub = ss->FindSub(owner);
+      if (sub->allocs != sub->frees + sub->reclaimed) {
+        for (auto& [address, b] : ss->live) {
+          if (b->owner_data == sub) {
+            b->owner = kNoOwner;
+            b->owner_data = nullptr;
+            b->label = nullptr;  // it may point into the owner's memory
+          }
         }
       }
+      ss->subs.erase(std::find_if(ss->subs.begin(), ss->subs.end(),
+                                  [&](const std::unique_ptr<SubAccount>& s) {
+                                    return s.get() == sub;
+                                  }));
     }
-    OwnerStats st = ToStats(*o);
     owners_[owner - 1].reset();
     return st;
   }
 
-  // ---- Trim / Reset --------------------------------------------------------
-
   absl::StatusOr<TrimResult> Trim(std::size_t keep_bytes)
       ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("CachingDeviceAllocator::Trim"));
-    core_internal::SpinLockHolder lock(&mu_);
+    AllShards lock(this);
     ScopedContext ctx(driver_, ctx_);
     CTXPOOL_RETURN_IF_ERROR(ctx.status());
     ++num_trims_;
@@ -626,10 +966,8 @@ class CachingDeviceAllocator::Impl {
     std::size_t busy_segments = 0;
     absl::Status status;
     if (expandable_) {
-      std::vector<StreamState*> all;
-      for (auto& [stream, ss] : streams_) all.push_back(ss.get());
-      SortByStream(&all);
-      for (StreamState* ss : all) {
+      for (StreamState* ss : SortedStreams()) {
+        ss->mu.AssertHeld();
         bool busy = false;
         status.Update(UnmapFreeGranules(ss, kNoLimit, /*wait=*/true,
                                         &result.event_waits, &busy, nullptr));
@@ -652,7 +990,7 @@ class CachingDeviceAllocator::Impl {
   absl::StatusOr<TrimResult> TrimIdle() ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::TrimIdle"));
-    core_internal::SpinLockHolder lock(&mu_);
+    AllShards lock(this);
     ScopedContext ctx(driver_, ctx_);
     CTXPOOL_RETURN_IF_ERROR(ctx.status());
     PollPending();
@@ -681,7 +1019,7 @@ class CachingDeviceAllocator::Impl {
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::RegisterTenant"));
     CTXPOOL_RETURN_IF_ERROR(ValidateBudget(budget));
-    core_internal::SpinLockHolder lock(&mu_);
+    SpinLockHolder lock(&mu_);
     if (name.empty()) {
       return absl::InvalidArgumentError("RegisterTenant: empty name");
     }
@@ -717,7 +1055,7 @@ class CachingDeviceAllocator::Impl {
   absl::Status UnregisterTenant(TenantId tenant) ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::UnregisterTenant"));
-    core_internal::SpinLockHolder lock(&mu_);
+    SpinLockHolder lock(&mu_);
     if (tenant == kDefaultTenant || !KnownTenant(tenant)) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "UnregisterTenant: unknown or default tenant %d", tenant));
@@ -735,12 +1073,13 @@ class CachingDeviceAllocator::Impl {
   absl::Status UnbindStream(StreamHandle stream) ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::UnbindStream"));
-    core_internal::SpinLockHolder lock(&mu_);
+    AllShards lock(this);
     if (!bound_.contains(stream.value())) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "UnbindStream: stream 0x%x is not bound", stream.value()));
     }
     StreamState* ss = GetStream(stream.value());
+    ss->mu.AssertHeld();
     // What the stream holds (live blocks, e.g. a slab another component
     // keeps on it, and cached memory) now counts against the default tenant.
     NotePeak(ss->tenant);
@@ -753,7 +1092,7 @@ class CachingDeviceAllocator::Impl {
       ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::BindStream"));
-    core_internal::SpinLockHolder lock(&mu_);
+    AllShards lock(this);
     if (!KnownTenant(tenant)) {
       return absl::InvalidArgumentError(
           absl::StrFormat("BindStream: unknown tenant %d", tenant));
@@ -762,7 +1101,9 @@ class CachingDeviceAllocator::Impl {
       return absl::InvalidArgumentError(absl::StrFormat(
           "BindStream: stream 0x%x is already bound", stream.value()));
     }
-    SetTenant(GetStream(stream.value()), tenant);
+    StreamState* ss = GetStream(stream.value());
+    ss->mu.AssertHeld();
+    SetTenant(ss, tenant);
     return absl::OkStatus();
   }
 
@@ -771,12 +1112,16 @@ class CachingDeviceAllocator::Impl {
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::SetBudget"));
     CTXPOOL_RETURN_IF_ERROR(ValidateBudget(budget));
-    core_internal::SpinLockHolder lock(&mu_);
+    AllShards lock(this);
     if (!KnownTenant(tenant)) {
       return absl::InvalidArgumentError(
           absl::StrFormat("SetBudget: unknown tenant %d", tenant));
     }
     tenants_[tenant]->budget = budget;
+    for (StreamState* ss : tenants_[tenant]->streams) {
+      ss->mu.AssertHeld();
+      ss->tenant_high = budget.high;
+    }
     TrimResult result;
     if (TenantMapped(tenant) > budget.max) {
       ScopedContext ctx(driver_, ctx_);
@@ -784,6 +1129,7 @@ class CachingDeviceAllocator::Impl {
       const std::size_t before = TenantMapped(tenant);
       if (expandable_) {
         for (StreamState* ss : TenantStreams(tenant)) {
+          ss->mu.AssertHeld();
           const std::size_t over =
               TenantMapped(tenant) - std::min(TenantMapped(tenant), budget.max);
           if (over == 0) break;
@@ -794,6 +1140,7 @@ class CachingDeviceAllocator::Impl {
         }
       } else {
         for (StreamState* ss : TenantStreams(tenant)) {
+          ss->mu.AssertHeld();
           std::size_t busy = 0;
           ReleaseCached(ss, 0, &result, &busy).IgnoreError();
         }
@@ -811,7 +1158,7 @@ class CachingDeviceAllocator::Impl {
       ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::GetTenantStats"));
-    core_internal::SpinLockHolder lock(&mu_);
+    AllShards lock(this);
     if (!KnownTenant(tenant)) {
       return absl::NotFoundError(absl::StrFormat("unknown tenant %d", tenant));
     }
@@ -834,10 +1181,13 @@ class CachingDeviceAllocator::Impl {
 
   absl::Status Reset(bool force) ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("CachingDeviceAllocator::Reset"));
-    core_internal::SpinLockHolder lock(&mu_);
-    if (!live_.empty() && !force) {
-      std::vector<const Block*> blocks;
-      for (const auto& [address, b] : live_) blocks.push_back(b);
+    AllShards lock(this);
+    std::vector<const Block*> blocks;
+    for (const auto& [stream, ss] : streams_) {
+      ss->mu.AssertHeld();
+      for (const auto& [address, b] : ss->live) blocks.push_back(b);
+    }
+    if (!blocks.empty() && !force) {
       std::sort(blocks.begin(), blocks.end(),
                 [](const Block* a, const Block* b) {
                   return a->address < b->address;
@@ -873,7 +1223,8 @@ class CachingDeviceAllocator::Impl {
       }
       absl::flat_hash_set<std::uint64_t> idle;
       for (const auto& [base, seg] : segments_) {
-        StreamState* owner = Owner(seg.get());
+        StreamState* owner = ShardOf(seg);
+        owner->mu.AssertHeld();
         if (!idle.insert(owner->stream).second) continue;
         absl::Status s = EnsureIdle(owner, &waits);
         if (!s.ok()) {
@@ -890,7 +1241,7 @@ class CachingDeviceAllocator::Impl {
     // leaked_bytes.
     std::vector<Segment*> all;
     all.reserve(segments_.size());
-    for (const auto& [base, seg] : segments_) all.push_back(seg.get());
+    for (const auto& [base, seg] : segments_) all.push_back(seg);
     for (Segment* seg : all) {
       absl::Status s = DropSegment(seg, /*free_memory=*/ctx.status().ok(),
                                    /*keep_on_error=*/!force);
@@ -903,18 +1254,22 @@ class CachingDeviceAllocator::Impl {
   // ---- Introspection -------------------------------------------------------
 
   DeviceAllocatorStats Stats() const ABSL_LOCKS_EXCLUDED(mu_) {
-    core_internal::SpinLockHolder lock(&mu_);
+    AllShards lock(this);
+    FoldAll();
     DeviceAllocatorStats s;
-    s.total = total_;
+    s.total = totals_.agg;
     s.per_stream.reserve(streams_.size());
+    s.cache_hits = 0;
     for (const auto& [stream, ss] : streams_) {
+      ss->mu.AssertHeld();
       s.per_stream.emplace_back(StreamHandle(stream), ss->stats);
+      s.cache_hits += ss->cache_hits;
     }
     std::sort(s.per_stream.begin(), s.per_stream.end(),
               [](const auto& a, const auto& b) { return a.first < b.first; });
+    ClampPeaks(s);
     s.num_alloc_retries = num_alloc_retries_;
     s.num_ooms = num_ooms_;
-    s.cache_hits = cache_hits_;
     const alloc_internal::ExpandableCounters& vc = vmm_.counters();
     s.upstream_allocs = upstream_allocs_ + vc.creates;
     s.upstream_frees = upstream_frees_ + vc.releases;
@@ -933,17 +1288,38 @@ class CachingDeviceAllocator::Impl {
     return s;
   }
 
+  // The device totals' peaks are exact unless threads on different streams
+  // ran at the same moment (see the file comment); then no peak is above
+  // the sum of the streams' own (exact) peaks.
+  static void ClampPeaks(DeviceAllocatorStats& s) {
+    std::vector<Stat*> total;
+    s.total.ForEach([&](StatArray& a) {
+      for (Stat& st : a) total.push_back(&st);
+    });
+    std::vector<std::int64_t> bound(total.size(), 0);
+    for (auto& [stream, st] : s.per_stream) {
+      std::size_t i = 0;
+      st.ForEach([&](StatArray& a) {
+        for (Stat& x : a) bound[i++] += x.peak;
+      });
+    }
+    for (std::size_t i = 0; i < total.size(); ++i) {
+      total[i]->peak =
+          std::max(total[i]->current, std::min(total[i]->peak, bound[i]));
+    }
+  }
+
   std::size_t PhysicalBytes() const ABSL_LOCKS_EXCLUDED(mu_) {
-    core_internal::SpinLockHolder lock(&mu_);
-    return static_cast<std::size_t>(
-               total_.reserved_bytes[StatIndex(StatPool::kAggregate)].current) +
-           CacheBytes();
+    SpinLockHolder lock(&mu_);
+    return Reserved() + CacheBytes();
   }
 
   FragmentationStats Fragmentation() const ABSL_LOCKS_EXCLUDED(mu_) {
-    core_internal::SpinLockHolder lock(&mu_);
+    AllShards lock(this);
+    FoldAll();
     FragmentationInputs in;
     for (const auto& [stream, ss] : streams_) {
+      ss->mu.AssertHeld();
       for (const FreeIndex<Block>& index : ss->free) {
         in.free_blocks += index.size();
         if (const Block* last = index.Last()) {
@@ -952,16 +1328,16 @@ class CachingDeviceAllocator::Impl {
       }
     }
     in.reserved_bytes = Reserved();
-    in.free_bytes = in.reserved_bytes - Current(total_.active_bytes);
+    in.free_bytes = in.reserved_bytes - Current(totals_.agg.active_bytes);
     // Expandable: free blocks include the unmapped rest of the ranges.
     in.largest_free_bytes = std::min(in.largest_free_bytes, in.free_bytes);
-    in.allocated_bytes = Current(total_.allocated_bytes);
-    in.requested_bytes = Current(total_.requested_bytes);
+    in.allocated_bytes = Current(totals_.agg.allocated_bytes);
+    in.requested_bytes = Current(totals_.agg.requested_bytes);
     return ComputeFragmentation(in);
   }
 
   AllocatorSnapshot Snapshot() const ABSL_LOCKS_EXCLUDED(mu_) {
-    core_internal::SpinLockHolder lock(&mu_);
+    AllShards lock(this);
     AllocatorSnapshot snap;
     snap.segments.reserve(segments_.size());
     for (const auto& [base, seg] : segments_) {
@@ -974,7 +1350,7 @@ class CachingDeviceAllocator::Impl {
       for (const Block* b = seg->first; b != nullptr; b = b->next) {
         BlockInfo bi = ToInfo(*b);
         if (expandable_ && b->state == BlockState::kFree) {
-          bi.mapped_bytes = MappedBytes(seg.get(), b->address, b->size);
+          bi.mapped_bytes = MappedBytes(seg, b->address, b->size);
         }
         info.mapped_bytes += bi.mapped_bytes;
         info.blocks.push_back(bi);
@@ -988,19 +1364,32 @@ class CachingDeviceAllocator::Impl {
       ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::Lookup"));
-    core_internal::SpinLockHolder lock(&mu_);
-    auto it = live_.find(ptr.address());
-    if (it == live_.end()) {
-      return absl::NotFoundError(absl::StrFormat(
-          "0x%x is not the start of a live block", ptr.address()));
+    if (StreamState* ss = ShardOfAddress(ptr.address())) {
+      SpinLockHolder lock(&ss->mu);
+      auto it = ss->live.find(ptr.address());
+      if (it != ss->live.end()) return ToInfo(*it->second);
     }
-    return ToInfo(*it->second);
+    return absl::NotFoundError(absl::StrFormat(
+        "0x%x is not the start of a live block", ptr.address()));
   }
 
   void ResetPeakStats() ABSL_LOCKS_EXCLUDED(mu_) {
-    core_internal::SpinLockHolder lock(&mu_);
-    total_.ResetPeaks();
-    for (auto& [stream, ss] : streams_) ss->stats.ResetPeaks();
+    AllShards lock(this);
+    FoldAll();
+    totals_.agg.ResetPeaks();
+    for (auto& [stream, ss] : streams_) {
+      ss->mu.AssertHeld();
+      ss->stats.ResetPeaks();
+      for (auto& sub : ss->subs) sub->peak = sub->live;
+    }
+    for (auto& o : owners_) {
+      if (o != nullptr) o->sum.peak = o->sum.live;
+    }
+    for (std::size_t t = 0; t < tenants_.size(); ++t) {
+      if (tenants_[t]->registered) {
+        tenants_[t]->peak = TenantMapped(static_cast<TenantId>(t));
+      }
+    }
   }
 
   absl::Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -1012,42 +1401,215 @@ class CachingDeviceAllocator::Impl {
     return static_cast<std::size_t>(a[0].current);
   }
   std::size_t Reserved() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return Current(total_.reserved_bytes);
+    return reserved_now_;
   }
+  // Bytes of blocks freed but still in use by other streams.
+  // REQUIRES: AllShards.
   std::size_t PendingBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return Current(total_.active_bytes) - Current(total_.allocated_bytes);
-  }
-  void Bump(StreamState* ss, StatArray PoolStats::*field, bool small,
-            std::int64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    AddStat(total_.*field, small, n);
-    AddStat(ss->stats.*field, small, n);
-  }
-  static StreamState* Owner(const Segment* seg) {
-    return static_cast<StreamState*>(seg->owner);
+    FoldAll();
+    return Current(totals_.agg.active_bytes) -
+           Current(totals_.agg.allocated_bytes);
   }
 
+  // Makes `ss` the holder of a sum (the device totals, an owner's live
+  // bytes) when it can; true when it holds it afterwards, so that it may add
+  // to the sum directly (see the file comment). `fold` moves ss's pending
+  // changes into the sum; it runs with the old holder's lock held. (The
+  // analysis cannot follow a lock taken only when a try-lock succeeds on
+  // one branch; the protocol is the file comment's.)
+  template <typename Fold>
+  ABSL_ATTRIBUTE_ALWAYS_INLINE static bool TakeHolder(
+      std::atomic<StreamState*>& holder, std::atomic<pthread_t>& holder_thread,
+      StreamState* ss, FoldCtl& ctl, Fold fold)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (ABSL_PREDICT_TRUE(holder.load(std::memory_order_acquire) == ss)) {
+      return true;
+    }
+    return TakeHolderSlow(holder, holder_thread, ss, ctl, fold);
+  }
+  template <typename Fold>
+  ABSL_ATTRIBUTE_NOINLINE static bool TakeHolderSlow(
+      std::atomic<StreamState*>& holder, std::atomic<pthread_t>& holder_thread,
+      StreamState* ss, FoldCtl& ctl, Fold fold)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    StreamState* h = holder.load(std::memory_order_acquire);
+    if (h == ss) return true;
+    const pthread_t self = pthread_self();
+    if (tls_all_shards_held) {
+      // A slow path holds every shard's lock: the sum is ours to take.
+      fold();
+      holder_thread.store(self, std::memory_order_relaxed);
+      holder.store(ss, std::memory_order_release);
+      ctl = FoldCtl{};
+      return true;
+    }
+    // This thread made the sum's last take-over (or a slow path left it
+    // free): no other thread is using it, take it at once. Otherwise
+    // respect the back-off.
+    if (h != nullptr &&
+        !pthread_equal(holder_thread.load(std::memory_order_relaxed), self) &&
+        ctl.countdown != 0) {
+      --ctl.countdown;
+      return false;
+    }
+    bool same_thread = true;
+    if (h == nullptr) {
+      if (!holder.compare_exchange_strong(h, ss, std::memory_order_acq_rel)) {
+        Backoff(ctl);
+        return false;
+      }
+    } else {
+      // The holder's lock guards the sum: while we hold it, no one else can
+      // change the holder either.
+      if (!h->mu.TryLock()) {
+        Backoff(ctl);
+        return false;
+      }
+      if (holder.load(std::memory_order_relaxed) != h) {
+        h->mu.Unlock();
+        Backoff(ctl);
+        return false;
+      }
+      same_thread = pthread_equal(holder_thread.load(std::memory_order_relaxed),
+                                  self) != 0;
+    }
+    fold();
+    holder_thread.store(self, std::memory_order_relaxed);
+    holder.store(ss, std::memory_order_release);
+    if (h != nullptr) h->mu.Unlock();
+    if (same_thread) {
+      ctl = FoldCtl{};
+    } else {
+      Backoff(ctl);  // another thread had it: it may want it back
+    }
+    return true;
+  }
+  static void Backoff(FoldCtl& ctl) {
+    ctl.backoff = std::min<std::uint32_t>(2 * ctl.backoff + 1, kMaxBackoff);
+    ctl.countdown = ctl.backoff;
+  }
+
+  // The device totals: whether `ss` may add to them directly now.
+  ABSL_ATTRIBUTE_ALWAYS_INLINE bool HoldTotals(StreamState* ss)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
+    return TakeHolder(totals_.holder, totals_.holder_thread, ss,
+                      ss->totals_fold, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                        FoldPoolStats(totals_.agg, ss->pending);
+                      });
+  }
+
+  // Where `ss`'s changes to the device totals go now: the totals when it
+  // holds them, else its pending changes.
+  ABSL_ATTRIBUTE_ALWAYS_INLINE PoolStats& TotalsSide(StreamState* ss)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
+    return ABSL_PREDICT_TRUE(HoldTotals(ss)) ? totals_.agg : ss->pending;
+  }
+  // Adds `n` to a statistic of `ss` and to `totals` (TotalsSide(ss)).
+  ABSL_ATTRIBUTE_ALWAYS_INLINE static void Bump(StreamState* ss,
+                                                PoolStats& totals,
+                                                StatArray PoolStats::*field,
+                                                bool small, std::int64_t n)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
+    AddStat(ss->stats.*field, small, n);
+    AddStat(totals.*field, small, n);
+  }
+  void Bump(StreamState* ss, StatArray PoolStats::*field, bool small,
+            std::int64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
+    Bump(ss, TotalsSide(ss), field, small, n);
+  }
+  // The same for reserved bytes, which also count for the stream's tenant
+  // and for PhysicalBytes. REQUIRES: mu_ (every change of reserved memory is
+  // a slow path).
+  void BumpReserved(StreamState* ss, bool small, std::int64_t n)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
+    Bump(ss, &PoolStats::reserved_bytes, small, n);
+    tenants_[ss->tenant]->mapped.fetch_add(static_cast<std::size_t>(n),
+                                           std::memory_order_relaxed);
+    reserved_now_ += static_cast<std::size_t>(n);
+  }
+
+  // Folds every shard's pending changes into the device totals and into
+  // their owners' sums; with `release`, leaves the sums without a holder.
+  // REQUIRES: AllShards.
+  void FoldAll(bool release = false) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const auto& [stream, ss] : streams_) {
+      ss->mu.AssertHeld();
+      FoldPoolStats(totals_.agg, ss->pending);
+      if (release) ss->totals_fold = FoldCtl{};
+      for (auto& sub : ss->subs) {
+        FoldOwner(*sub);
+        if (release) {
+          sub->rec->sum.holder.store(nullptr, std::memory_order_relaxed);
+          sub->fold = FoldCtl{};
+        }
+      }
+    }
+    if (release) totals_.holder.store(nullptr, std::memory_order_relaxed);
+  }
+
+  // The shards, by handle. REQUIRES: AllShards.
+  std::vector<StreamState*> SortedStreams() const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<StreamState*> all;
+    all.reserve(streams_.size());
+    for (const auto& [stream, ss] : streams_) all.push_back(ss.get());
+    SortByStream(&all);
+    return all;
+  }
+
+  // The shard of the segment that holds `address` (no lock: see
+  // address_map.h), or null.
+  StreamState* ShardOfAddress(std::uint64_t address) const {
+    const Segment* seg =
+        expandable_ ? ranges_.Find(address) : pages_.Find(address);
+    return seg == nullptr ? nullptr
+                          : static_cast<const DeviceSegment*>(seg)->shard.load(
+                                std::memory_order_acquire);
+  }
+
+  // The state of `stream`, made on first use (locked: AllShards unlocks it
+  // with the others) and published to the stream table; a retired handle
+  // in use again is revived, a destroyed one is alive again.
+  // REQUIRES: AllShards.
   StreamState* GetStream(std::uint64_t stream)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    StreamState* ss = last_stream_;
-    if (ABSL_PREDICT_FALSE(ss == nullptr || ss->stream != stream)) {
-      auto it = streams_.find(stream);
-      if (it == streams_.end()) {
-        it = streams_.emplace(stream, std::make_unique<StreamState>(stream))
-                 .first;
-        tenants_[kDefaultTenant]->streams.push_back(it->second.get());
-      }
-      ss = it->second.get();
-      last_stream_ = ss;
+    auto it = streams_.find(stream);
+    if (it == streams_.end()) {
+      auto made = std::make_unique<StreamState>(stream);
+      StreamState* ss = made.get();
+      LockForAllShards(ss);
+      ss->mu.AssertHeld();
+      SetTenantFields(ss, kDefaultTenant);
+      it = streams_.emplace(stream, std::move(made)).first;
+      tenants_[kDefaultTenant]->streams.push_back(ss);
+      stream_table_.Insert(stream, ss);
     }
+    StreamState* ss = it->second.get();
+    ss->mu.AssertHeld();
     // Work is being enqueued on it, so the handle is alive (again).
     ss->destroyed = false;
     if (ABSL_PREDICT_FALSE(ss->retired)) Revive(ss);
     return ss;
   }
 
+  // Takes the lock of a shard made while AllShards is held (it unlocks it
+  // with the others).
+  static void LockForAllShards(StreamState* ss) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ss->mu.Lock();
+  }
+
+  // Binds `ss` to tenant `t` on both sides' books: the tenant's stream
+  // list, its mapped bytes and the shard's copy of its high.
+  void SetTenantFields(StreamState* ss, TenantId t)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
+    ss->tenant = t;
+    ss->tenant_high = tenants_[t]->budget.high;
+    ss->tenant_mapped = &tenants_[t]->mapped;
+  }
+
   // A retired handle is in use again (a new stream got it): order the new
   // stream after the old one's work once, then treat it as any stream.
-  void Revive(StreamState* ss) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void Revive(StreamState* ss) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     ScopedContext ctx(driver_, ctx_);
     absl::Status s = ctx.status();
     if (s.ok()) {
@@ -1071,7 +1633,7 @@ class CachingDeviceAllocator::Impl {
   // Whether the retire event of `ss` completed, waiting for it with `wait`
   // (counted in *waits). A query or wait that fails is not a completion.
   bool RetiredIdle(StreamState* ss, bool wait, int* waits)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     absl::StatusOr<bool> done = driver_.EventQuery(ss->retire_event);
     if (done.ok() && *done) return true;
     if (!done.ok()) ++driver_errors_;
@@ -1087,25 +1649,28 @@ class CachingDeviceAllocator::Impl {
   absl::Status RetireStream(StreamHandle stream) ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::RetireStream"));
-    core_internal::SpinLockHolder lock(&mu_);
+    AllShards lock(this);
     auto it = streams_.find(stream.value());
     if (it == streams_.end()) {
       // Known only through RecordStream (a live block's uses): it must be
       // retired too, or that block's free would record on the dead handle.
       bool used = false;
-      for (const auto& [address, b] : live_) {
-        for (std::uint64_t u : b->stream_uses)
-          used = used || u == stream.value();
+      for (const auto& [handle, ss] : streams_) {
+        ss->mu.AssertHeld();
+        for (const auto& [address, b] : ss->live) {
+          for (std::uint64_t u : b->stream_uses) {
+            used = used || u == stream.value();
+          }
+          if (used) break;
+        }
         if (used) break;
       }
       if (!used) return absl::OkStatus();
-      it = streams_
-               .emplace(stream.value(),
-                        std::make_unique<StreamState>(stream.value()))
-               .first;
-      tenants_[kDefaultTenant]->streams.push_back(it->second.get());
+      GetStream(stream.value());
+      it = streams_.find(stream.value());
     }
     StreamState* ss = it->second.get();
+    ss->mu.AssertHeld();
     if (ss->retired || ss->destroyed) return absl::OkStatus();
     ScopedContext ctx(driver_, ctx_);
     CTXPOOL_RETURN_IF_ERROR(ctx.status());
@@ -1118,19 +1683,17 @@ class CachingDeviceAllocator::Impl {
     }
     ss->retired = true;
     ss->retire_event = e;
-    if (last_stream_ == ss) last_stream_ = nullptr;
     return absl::OkStatus();
   }
 
  private:
   // ---- Free index maintenance ----------------------------------------------
 
-  // Links a free block into its owner's index (and a wholly free segment into
-  // whole_free_), keeping inactive_split current.
-  ABSL_ATTRIBUTE_ALWAYS_INLINE void Index(Block* b)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // Links a free block of `ss` into its index (and a wholly free segment
+  // into the stream's whole_free), keeping inactive_split current.
+  ABSL_ATTRIBUTE_ALWAYS_INLINE void Index(StreamState* ss, Block* b)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
     Segment* seg = b->segment;
-    StreamState* ss = Owner(seg);
     if (ABSL_PREDICT_FALSE(b->unmapped | b->quarantined)) {
       if (b->unmapped) {
         ss->unmapped[PoolIndex(seg->small)].Insert(b, b->size, b->address);
@@ -1144,15 +1707,14 @@ class CachingDeviceAllocator::Impl {
       Bump(ss, &PoolStats::inactive_split_bytes, seg->small,
            static_cast<std::int64_t>(b->size));
     } else {
-      whole_free_[PoolIndex(seg->small)].Insert(seg, seg->size, seg->base);
+      ss->whole_free[PoolIndex(seg->small)].Insert(seg, seg->size, seg->base);
       static_cast<DeviceSegment*>(seg)->free_since = absl::InfinitePast();
     }
   }
 
-  ABSL_ATTRIBUTE_ALWAYS_INLINE void Unindex(Block* b)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  ABSL_ATTRIBUTE_ALWAYS_INLINE void Unindex(StreamState* ss, Block* b)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
     Segment* seg = b->segment;
-    StreamState* ss = Owner(seg);
     if (ABSL_PREDICT_FALSE(b->unmapped | b->quarantined)) {
       if (b->unmapped) ss->unmapped[PoolIndex(seg->small)].Erase(b);
       return;
@@ -1164,69 +1726,77 @@ class CachingDeviceAllocator::Impl {
       Bump(ss, &PoolStats::inactive_split_bytes, seg->small,
            -static_cast<std::int64_t>(b->size));
     } else {
-      whole_free_[PoolIndex(seg->small)].Erase(seg);
+      ss->whole_free[PoolIndex(seg->small)].Erase(seg);
     }
   }
 
   Block* FindFree(StreamState* ss, std::size_t rounded, bool small) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
     Block* b = ss->free[PoolIndex(small)].LowerBound(rounded);
     if (b == nullptr || !classes_.CanServe(b->size, rounded)) return nullptr;
     return b;
   }
 
-  // Allocates from free block `b` (splitting it when worthwhile, or
-  // whenever something remains with `split_any`).
-  DevicePtr TakeBlock(Block* b, std::size_t rounded, std::size_t requested,
+  // Allocates from free block `b` of `ss` for `tag` (splitting it when
+  // worthwhile, or whenever something remains with `split_any`).
+  DevicePtr TakeBlock(StreamState* ss, Block* b, std::size_t rounded,
+                      std::size_t requested, const Tag& tag,
                       bool split_any = false)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
     Segment* seg = b->segment;
-    StreamState* ss = Owner(seg);
     const bool small = seg->small;
-    Unindex(b);
+    Unindex(ss, b);
     if (split_any ? b->size > rounded
                   : classes_.ShouldSplit(b->size, rounded, small)) {
-      Index(SplitBlock(b, rounded, blocks_));
+      Index(ss, SplitBlock(b, rounded, ss->blocks));
     }
     ++ss->ops;
     b->state = BlockState::kAllocated;
     b->requested = requested;
-    b->owner = next_owner_;
-    b->owner_data = next_owner_rec_;
-    b->label = next_label_;
-    if (next_owner_rec_ != nullptr) {
+    b->owner = tag.owner;
+    b->owner_data = tag.sub;
+    b->label = tag.label;
+    if (tag.sub != nullptr) {
       b->born_ns = core_internal::CoarseNowNs();
-      OwnerRec& o = *next_owner_rec_;
-      o.live += Charge(requested);
-      o.peak = std::max(o.peak, o.live);
-      o.requested += requested;
-      ++o.allocs;
+      SubAccount& s = *tag.sub;
+      if (s.max != 0) s.credit -= tag.charge;
+      s.live += tag.charge;
+      s.peak = std::max(s.peak, s.live);
+      s.requested += requested;
+      ++s.allocs;
+      OwnerLive(ss, s, static_cast<std::int64_t>(tag.charge));
     }
-    live_.emplace(b->address, b);
+    ss->live.emplace(b->address, b);
     const auto size = static_cast<std::int64_t>(b->size);
-    Bump(ss, &PoolStats::allocation, small, 1);
-    Bump(ss, &PoolStats::active, small, 1);
-    Bump(ss, &PoolStats::allocated_bytes, small, size);
-    Bump(ss, &PoolStats::active_bytes, small, size);
-    Bump(ss, &PoolStats::requested_bytes, small,
+    PoolStats& totals = TotalsSide(ss);
+    Bump(ss, totals, &PoolStats::allocation, small, 1);
+    Bump(ss, totals, &PoolStats::active, small, 1);
+    Bump(ss, totals, &PoolStats::allocated_bytes, small, size);
+    Bump(ss, totals, &PoolStats::active_bytes, small, size);
+    Bump(ss, totals, &PoolStats::requested_bytes, small,
          static_cast<std::int64_t>(requested));
     return DevicePtr(b->address);
   }
 
-  // An allocated block stops being live (it becomes pending or free).
-  void RemoveAllocatedStats(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // An allocated block of `ss` stops being live (it becomes pending or
+  // free).
+  void RemoveAllocatedStats(StreamState* ss, Block* b)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
     Segment* seg = b->segment;
-    StreamState* ss = Owner(seg);
-    Bump(ss, &PoolStats::allocation, seg->small, -1);
-    Bump(ss, &PoolStats::allocated_bytes, seg->small,
+    PoolStats& totals = TotalsSide(ss);
+    Bump(ss, totals, &PoolStats::allocation, seg->small, -1);
+    Bump(ss, totals, &PoolStats::allocated_bytes, seg->small,
          -static_cast<std::int64_t>(b->size));
-    Bump(ss, &PoolStats::requested_bytes, seg->small,
+    Bump(ss, totals, &PoolStats::requested_bytes, seg->small,
          -static_cast<std::int64_t>(b->requested));
     if (b->owner_data != nullptr) {
-      auto* o = static_cast<OwnerRec*>(b->owner_data);
-      o->live -= Charge(b->requested);
-      o->requested -= b->requested;
-      ++o->frees;
+      SubAccount& s = *static_cast<SubAccount*>(b->owner_data);
+      const std::size_t charge = Charge(b->requested);
+      s.live -= charge;
+      s.requested -= b->requested;
+      ++s.frees;
+      OwnerLive(ss, s, -static_cast<std::int64_t>(charge));
+      ReturnCredit(s, charge);
       b->owner_data = nullptr;
     }
     b->owner = kNoOwner;
@@ -1246,6 +1816,116 @@ class CachingDeviceAllocator::Impl {
     return bytes == 0 ? r : (bytes + r - 1) & ~(r - 1);
   }
 
+  // The credit an owner's sub-account takes at a time: 1/64 of its max
+  // (whole 512 B units), between 64 KiB and 64 MiB; 0 without a max.
+  std::size_t CreditChunk(std::size_t max) const {
+    if (max == 0) return 0;
+    const std::size_t chunk = std::clamp<std::size_t>(
+        max / 64, std::size_t{64} << 10, std::size_t{64} << 20);
+    return Charge(chunk);
+  }
+
+  // Makes sure `s` has credit for `charge` more bytes (nothing to do
+  // without a max), refilling from its owner's record; false when the
+  // record cannot cover it without pulling other sub-accounts' credit back.
+  static bool TakeCredit(SubAccount& s, std::size_t charge) {
+    if (ABSL_PREDICT_TRUE(s.max == 0 || s.credit >= charge)) return true;
+    const std::size_t need = charge - s.credit;
+    std::atomic<std::size_t>& reserved = s.rec->reserved;
+    std::size_t r = reserved.load(std::memory_order_relaxed);
+    while (true) {
+      if (need > s.max || r > s.max - need) return false;
+      const std::size_t grant =
+          std::min(std::max(need, s.chunk), s.max - r);  // >= need
+      if (reserved.compare_exchange_weak(r, r + grant,
+                                         std::memory_order_relaxed)) {
+        s.credit += grant;
+        return true;
+      }
+    }
+  }
+
+  // A free returns `charge` to `s`'s credit; beyond two chunks (or two of
+  // the charge, so that a loop of one size keeps what it needs) the rest
+  // goes back to the record.
+  static void ReturnCredit(SubAccount& s, std::size_t charge) {
+    if (s.max == 0) return;
+    s.credit += charge;
+    const std::size_t keep = std::max(s.chunk, charge);
+    if (ABSL_PREDICT_FALSE(s.credit > 2 * keep)) {
+      s.rec->reserved.fetch_sub(s.credit - keep, std::memory_order_relaxed);
+      s.credit = keep;
+    }
+  }
+
+  // Adds `delta` to the owner's live bytes through the holder scheme.
+  ABSL_ATTRIBUTE_ALWAYS_INLINE static void OwnerLive(StreamState* ss,
+                                                     SubAccount& s,
+                                                     std::int64_t delta)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
+    OwnerRec::Sum& sum = s.rec->sum;
+    if (TakeHolder(sum.holder, sum.holder_thread, ss, s.fold,
+                   [&] { FoldOwner(s); })) {
+      sum.live += delta;
+      sum.peak = std::max(sum.peak, sum.live);
+    } else {
+      s.pending_live += delta;
+      s.pending_peak = std::max(s.pending_peak, s.pending_live);
+    }
+  }
+  static void FoldOwner(SubAccount& s) {
+    OwnerRec::Sum& sum = s.rec->sum;
+    sum.peak = std::max(sum.peak, sum.live + s.pending_peak);
+    sum.live += s.pending_live;
+    s.pending_live = 0;
+    s.pending_peak = 0;
+  }
+
+  // `owner`'s sub-account on `ss`, made (and listed on its record) if new.
+  SubAccount* SubOf(StreamState* ss, OwnerId owner, OwnerRec* o)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
+    if (SubAccount* s = ss->FindSub(owner)) return s;
+    // Host allocations first (each may throw std::bad_alloc), then the two
+    // links, so that a sub-account is never on a shard without its shard
+    // on the record (UnregisterOwner finds sub-accounts from the record).
+    if (o->shards.size() == o->shards.capacity()) {
+      o->shards.reserve(std::max<std::size_t>(4, 2 * o->shards.size()));
+    }
+    auto s = std::make_unique<SubAccount>();
+    s->owner = owner;
+    s->rec = o;
+    s->max = o->max;
+    s->chunk = o->chunk;
+    s->closed = o->closed.load(std::memory_order_relaxed);
+    ss->subs.push_back(std::move(s));
+    o->shards.push_back(ss);
+    return ss->subs.back().get();
+  }
+
+  // Pulls all of `o`'s credit back, so that its reserved bytes are its live
+  // bytes. REQUIRES: AllShards.
+  void DrainCredit(OwnerId owner, OwnerRec& o)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (StreamState* ss : o.shards) {
+      ss->mu.AssertHeld();
+      SubAccount* s = ss->FindSub(owner);
+      o.reserved.fetch_sub(s->credit, std::memory_order_relaxed);
+      s->credit = 0;
+    }
+  }
+
+  // The live bytes of `o`: the sum over its sub-accounts.
+  // REQUIRES: AllShards.
+  std::size_t OwnerLiveBytes(OwnerId owner, const OwnerRec& o) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::size_t n = 0;
+    for (StreamState* ss : o.shards) {
+      ss->mu.AssertHeld();
+      n += ss->FindSub(owner)->live;
+    }
+    return n;
+  }
+
   OwnerRec* FindOwner(OwnerId owner) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (owner == kNoOwner || owner > owners_.size()) return nullptr;
     return owners_[owner - 1].get();
@@ -1256,50 +1936,72 @@ class CachingDeviceAllocator::Impl {
         absl::StrFormat("%s: owner %d is not registered", call, owner));
   }
 
-  // OK when `owner` may be charged for `bytes` more.
-  ABSL_ATTRIBUTE_ALWAYS_INLINE absl::Status CheckCharge(OwnerId owner,
-                                                        std::size_t bytes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const OwnerRec* o = FindOwner(owner);
-    if (ABSL_PREDICT_TRUE(o != nullptr && !o->closed)) {
-      if (o->max == 0) return absl::OkStatus();
-      const std::size_t charge = Charge(bytes);
-      if (charge <= o->max && o->live <= o->max - charge) {
-        return absl::OkStatus();
-      }
-    }
-    return ChargeRefused(owner, bytes);
-  }
-  ABSL_ATTRIBUTE_NOINLINE absl::Status ChargeRefused(OwnerId owner,
-                                                     std::size_t bytes)
+  // OK when `owner` may be charged for `bytes` more: registered, open and
+  // within its max. REQUIRES: AllShards.
+  absl::Status CheckOwner(absl::string_view call, OwnerId owner,
+                          std::size_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     OwnerRec* o = FindOwner(owner);
     if (ABSL_PREDICT_FALSE(o == nullptr)) {
       ++invalid_requests_;
       return absl::InvalidArgumentError(absl::StrFormat(
-          "Allocate: owner %d is not registered with this allocator", owner));
+          "%s: owner %d is not registered with this allocator", call, owner));
     }
-    if (ABSL_PREDICT_FALSE(o->closed)) {
+    if (ABSL_PREDICT_FALSE(o->closed.load(std::memory_order_relaxed))) {
       return absl::FailedPreconditionError(
-          absl::StrFormat("Allocate: owner '%s' is closed", o->name));
+          absl::StrFormat("%s: owner '%s' is closed", call, o->name));
     }
     const std::size_t charge = Charge(bytes);
-    if (o->max != 0 && (charge > o->max || o->live > o->max - charge)) {
-      ++o->rejections;
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "'%s' is over its memory budget on device %d: requested %d B (%d B "
-          "charged), live %d B, max %d B",
-          o->name, device_, bytes, charge, o->live, o->max));
+    const std::size_t live = OwnerLiveBytes(owner, *o);
+    if (o->max != 0 && (charge > o->max || live > o->max - charge)) {
+      return OverBudget(*o, bytes, charge, live);
     }
     return absl::OkStatus();
   }
+  absl::Status OverBudget(OwnerRec& o, std::size_t bytes, std::size_t charge,
+                          std::size_t live) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ++o.rejections;
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "'%s' is over its memory budget on device %d: requested %d B (%d B "
+        "charged), live %d B, max %d B",
+        o.name, device_, bytes, charge, live, o.max));
+  }
 
-  // An owned call counts in its owner (none once it is unregistered: its
-  // caller reports the closed session), a plain one in the allocator.
+  // The slow path's charge of `owner` on `ss`: its checks, then credit for
+  // the charge, pulling the owner's credit back from every sub-account
+  // when the record cannot cover it (so that the decision is made on its
+  // exact live bytes). Sets tag's sub-account and charge.
+  // REQUIRES: AllShards.
+  absl::Status ChargeSlow(OwnerId owner, std::size_t bytes, StreamState* ss,
+                          Tag* tag) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
+    OwnerRec* o = FindOwner(owner);
+    if (o == nullptr || o->closed.load(std::memory_order_relaxed)) {
+      return CheckOwner("Allocate", owner, bytes);
+    }
+    SubAccount* sub = SubOf(ss, owner, o);
+    const std::size_t charge = Charge(bytes);
+    if (!TakeCredit(*sub, charge)) {
+      DrainCredit(owner, *o);
+      const std::size_t live = o->reserved.load(std::memory_order_relaxed);
+      if (charge > o->max || live > o->max - charge) {
+        return OverBudget(*o, bytes, charge, live);
+      }
+      o->reserved.fetch_add(charge, std::memory_order_relaxed);
+      sub->credit += charge;
+    }
+    tag->sub = sub;
+    tag->charge = charge;
+    return absl::OkStatus();
+  }
+
+  // An owned call counts in its owner (none once it is closed or
+  // unregistered: its caller reports the closed session), a plain one in
+  // the allocator.
   void CountInvalidFree(OwnerId owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (owner == kAnyOwner || owner == kNoOwner) {
       ++invalid_frees_;
-    } else if (OwnerRec* o = FindOwner(owner); o != nullptr && !o->closed) {
+    } else if (OwnerRec* o = FindOwner(owner);
+               o != nullptr && !o->closed.load(std::memory_order_relaxed)) {
       // A closed owner's figures are final: a free that lost the race with
       // CloseOwner (the block was reclaimed) counts nowhere, as one after
       // UnregisterOwner does.
@@ -1307,22 +2009,8 @@ class CachingDeviceAllocator::Impl {
     }
   }
 
-  // Deallocate's FreeCheck on live block `b`.
-  ABSL_ATTRIBUTE_ALWAYS_INLINE absl::Status CheckFree(const Block& b,
-                                                      DevicePtr ptr,
-                                                      const FreeCheck& check)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (ABSL_PREDICT_TRUE(
-            (check.owner == kAnyOwner || b.owner == check.owner) &&
-            (!check.owned_only || b.owner != kNoOwner) &&
-            (!check.check_size || b.requested == check.requested_bytes))) {
-      return absl::OkStatus();
-    }
-    return FreeRefused(b, ptr, check);
-  }
-  ABSL_ATTRIBUTE_NOINLINE absl::Status FreeRefused(const Block& b,
-                                                   DevicePtr ptr,
-                                                   const FreeCheck& check)
+  // Deallocate's FreeCheck on live block `b` (the slow path).
+  absl::Status CheckFree(const Block& b, DevicePtr ptr, const FreeCheck& check)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if ((check.owner != kAnyOwner && b.owner != check.owner) ||
         (check.owned_only && b.owner == kNoOwner)) {
@@ -1350,37 +2038,59 @@ class CachingDeviceAllocator::Impl {
     return absl::OkStatus();
   }
 
-  OwnerStats ToStats(const OwnerRec& o) const {
+  // REQUIRES: AllShards.
+  OwnerStats ToStats(OwnerId owner, OwnerRec& o) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     OwnerStats st;
     st.name = o.name;
     st.max_live_bytes = o.max;
-    st.live_bytes = o.live;
-    st.peak_live_bytes = o.peak;
-    st.requested_bytes = o.requested;
-    st.live_allocations = o.allocs - o.frees - o.reclaimed;
-    st.num_allocs = o.allocs;
-    st.num_frees = o.frees;
+    std::int64_t reclaimed = 0;
+    std::size_t peaks = 0;  // the sum of the streams' peaks: an upper bound
+    for (StreamState* ss : o.shards) {
+      ss->mu.AssertHeld();
+      SubAccount& s = *ss->FindSub(owner);
+      FoldOwner(s);
+      peaks += s.peak;
+      st.live_bytes += s.live;
+      st.requested_bytes += s.requested;
+      st.num_allocs += s.allocs;
+      st.num_frees += s.frees;
+      reclaimed += s.reclaimed;
+    }
+    // Exact unless threads used the owner's streams at the same moment;
+    // then bounded by the streams' peaks and the max (file comment).
+    std::size_t bound = peaks;
+    if (o.max != 0) bound = std::min(bound, o.max);
+    st.peak_live_bytes = std::max<std::size_t>(
+        std::min<std::size_t>(static_cast<std::size_t>(o.sum.peak), bound),
+        st.live_bytes);
+    st.live_allocations = st.num_allocs - st.num_frees - reclaimed;
     st.num_ooms = o.ooms;
     st.num_budget_rejections = o.rejections;
     st.invalid_frees = o.invalid_frees;
-    st.closed = o.closed;
+    st.closed = o.closed.load(std::memory_order_relaxed);
     return st;
   }
 
-  // The live blocks of `owner`, by address.
+  // The live blocks of `owner`, by address. REQUIRES: AllShards.
   std::vector<OwnedBlock> ListOwned(OwnerId owner) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::vector<OwnedBlock> out;
-    for (const auto& [address, b] : live_) {
-      if (b->owner != owner) continue;
-      OwnedBlock ob;
-      ob.ptr = DevicePtr(b->address);
-      ob.requested_bytes = b->requested;
-      ob.charged_bytes = Charge(b->requested);
-      ob.stream = StreamHandle(b->segment->stream);
-      ob.label = b->label;
-      ob.allocated_at_ns = b->born_ns;
-      out.push_back(ob);
+    const OwnerRec* o = FindOwner(owner);
+    if (o == nullptr) return out;
+    for (StreamState* ss : o->shards) {
+      ss->mu.AssertHeld();
+      for (const auto& [address, b] : ss->live) {
+        if (b->owner != owner) continue;
+        OwnedBlock ob;
+        ob.ptr = DevicePtr(b->address);
+        ob.requested_bytes = b->requested;
+        ob.charged_bytes = Charge(b->requested);
+        ob.stream = StreamHandle(b->segment->stream);
+        ob.label = b->label;
+        ob.allocated_at_ns = b->born_ns;
+        out.push_back(ob);
+      }
     }
     std::sort(
         out.begin(), out.end(),
@@ -1388,36 +2098,37 @@ class CachingDeviceAllocator::Impl {
     return out;
   }
 
-  // An allocated-or-pending block (already out of live_) becomes free:
-  // coalesce with free neighbours and index the result.
-  void FreeToIndex(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // An allocated-or-pending block of `ss` (already out of `live`) becomes
+  // free: coalesce with free neighbours and index the result.
+  void FreeToIndex(StreamState* ss, Block* b)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
     Segment* seg = b->segment;
-    StreamState* ss = Owner(seg);
-    Bump(ss, &PoolStats::active, seg->small, -1);
-    Bump(ss, &PoolStats::active_bytes, seg->small,
+    PoolStats& totals = TotalsSide(ss);
+    Bump(ss, totals, &PoolStats::active, seg->small, -1);
+    Bump(ss, totals, &PoolStats::active_bytes, seg->small,
          -static_cast<std::int64_t>(b->size));
     ++ss->ops;
     b->state = BlockState::kFree;
     b->pending_events = 0;
     if (!b->stream_uses.empty()) b->stream_uses.clear();
-    Index(Coalesce(b));
+    Index(ss, Coalesce(ss, b));
   }
 
-  // Merges unindexed free block `b` with its free neighbours of the same
-  // kind (mapped or not) and returns the result, still unindexed.
-  ABSL_ATTRIBUTE_ALWAYS_INLINE Block* Coalesce(Block* b)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // Merges unindexed free block `b` of `ss` with its free neighbours of the
+  // same kind (mapped or not) and returns the result, still unindexed.
+  ABSL_ATTRIBUTE_ALWAYS_INLINE Block* Coalesce(StreamState* ss, Block* b)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
     if (b->prev != nullptr && b->prev->state == BlockState::kFree &&
         b->prev->unmapped == b->unmapped && !b->prev->quarantined) {
       Block* prev = b->prev;
-      Unindex(prev);
-      MergeNext(prev, blocks_);
+      Unindex(ss, prev);
+      MergeNext(prev, ss->blocks);
       b = prev;
     }
     if (b->next != nullptr && b->next->state == BlockState::kFree &&
         b->next->unmapped == b->unmapped && !b->next->quarantined) {
-      Unindex(b->next);
-      MergeNext(b, blocks_);
+      Unindex(ss, b->next);
+      MergeNext(b, ss->blocks);
     }
     return b;
   }
@@ -1439,10 +2150,10 @@ class CachingDeviceAllocator::Impl {
   // The stream was destroyed: its queued work still runs, so wait for all
   // work of the context once; after that nothing can use its memory.
   absl::Status HandleDestroyed(StreamState* ss)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     ++num_host_syncs_;
     CTXPOOL_RETURN_IF_ERROR(driver_.CtxSynchronize());
-    if (ss != nullptr && !ss->destroyed) {
+    if (!ss->destroyed) {
       ss->destroyed = true;
       ++destroyed_streams_;
     }
@@ -1452,7 +2163,7 @@ class CachingDeviceAllocator::Impl {
   // Makes sure no work queued so far on `ss`'s stream is still running:
   // records an event, and waits for it only if it is not already complete.
   absl::Status EnsureIdle(StreamState* ss, int* waits)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     if (ss->destroyed) return absl::OkStatus();
     if (ss->retired) {
       if (RetiredIdle(ss, /*wait=*/true, waits)) return absl::OkStatus();
@@ -1478,24 +2189,30 @@ class CachingDeviceAllocator::Impl {
     return s;
   }
 
-  // Frees a block that other streams used: one event per such stream, the
-  // block stays pending until all complete (PollPending).
-  absl::Status DeallocateWithUses(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // Frees a block of `ss` that other streams used: one event per such
+  // stream, the block stays pending until all complete (PollPending).
+  // REQUIRES: AllShards.
+  absl::Status DeallocateWithUses(StreamState* ss, Block* b)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     ScopedContext ctx(driver_, ctx_);
     CTXPOOL_RETURN_IF_ERROR(ctx.status());
     absl::InlinedVector<EventHandle, 4> events;
     bool need_sync = false;
     for (std::uint64_t s : b->stream_uses) {
-      if (auto it = streams_.find(s);
-          it != streams_.end() && it->second->retired) {
-        // Its work is ordered by the retire event: no record on the dead
-        // handle; the block waits for that event here (rare: a stream
-        // retired while a block it used is still live).
-        if (!RetiredIdle(it->second.get(), /*wait=*/true, nullptr)) {
-          need_sync = true;
-          break;
+      auto it = streams_.find(s);
+      StreamState* used = it == streams_.end() ? nullptr : it->second.get();
+      if (used != nullptr) {
+        used->mu.AssertHeld();
+        if (used->retired) {
+          // Its work is ordered by the retire event: no record on the dead
+          // handle; the block waits for that event here (rare: a stream
+          // retired while a block it used is still live).
+          if (!RetiredIdle(used, /*wait=*/true, nullptr)) {
+            need_sync = true;
+            break;
+          }
+          continue;
         }
-        continue;
       }
       absl::StatusOr<EventHandle> e = GetEvent();
       if (!e.ok()) {
@@ -1507,12 +2224,14 @@ class CachingDeviceAllocator::Impl {
         PutEvent(*e);
         need_sync = true;
         if (IsInvalidHandle(st)) {
-          auto it = streams_.find(s);
-          if (it != streams_.end() && !it->second->destroyed) {
-            it->second->destroyed = true;
+          if (used == nullptr) {
             ++destroyed_streams_;
-          } else if (it == streams_.end()) {
-            ++destroyed_streams_;
+          } else {
+            used->mu.AssertHeld();
+            if (!used->destroyed) {
+              used->destroyed = true;
+              ++destroyed_streams_;
+            }
           }
         }
         break;
@@ -1531,18 +2250,18 @@ class CachingDeviceAllocator::Impl {
       for (EventHandle e : events) PutEvent(e);
       events.clear();
     }
-    live_.erase(b->address);
+    ss->live.erase(b->address);
     if (recorder_.enabled()) {
-      recorder_.Record(TraceOp::kFree, b->address, b->requested,
-                       b->segment->stream, Owner(b->segment)->tenant);
+      recorder_.Record(TraceOp::kFree, b->address, b->requested, ss->stream,
+                       ss->tenant);
       if (events.empty()) {
         recorder_.Record(TraceOp::kFreeCompleted, b->address, b->size,
-                         b->segment->stream, Owner(b->segment)->tenant);
+                         ss->stream, ss->tenant);
       }
     }
-    RemoveAllocatedStats(b);
+    RemoveAllocatedStats(ss, b);
     if (events.empty()) {
-      FreeToIndex(b);
+      FreeToIndex(ss, b);
       return absl::OkStatus();
     }
     b->state = BlockState::kPendingFree;
@@ -1552,7 +2271,8 @@ class CachingDeviceAllocator::Impl {
   }
 
   // Frees the pending blocks whose events completed; with `waits` non-null,
-  // waits for incomplete ones (counting each wait). REQUIRES: context set.
+  // waits for incomplete ones (counting each wait). REQUIRES: AllShards,
+  // context set.
   void ProcessPending(int* waits) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::size_t i = 0;
     while (i < pending_.size()) {
@@ -1578,12 +2298,13 @@ class CachingDeviceAllocator::Impl {
       pending_[i] = pending_.back();
       pending_.pop_back();
       if (--p.block->pending_events == 0) {
+        StreamState* ss = ShardOf(p.block->segment);
+        ss->mu.AssertHeld();
         if (recorder_.enabled()) {
           recorder_.Record(TraceOp::kFreeCompleted, p.block->address,
-                           p.block->size, p.block->segment->stream,
-                           Owner(p.block->segment)->tenant);
+                           p.block->size, ss->stream, ss->tenant);
         }
-        FreeToIndex(p.block);
+        FreeToIndex(ss, p.block);
       }
     }
   }
@@ -1595,22 +2316,64 @@ class CachingDeviceAllocator::Impl {
   }
 
   // ---- Segments
-  // --------------------------------------------------------------
+  // -------------------------------------------------------------- (All of this
+  // section is slow path: REQUIRES AllShards.)
+
+  // A segment object: recycled, never deleted before the allocator (the
+  // address maps' readers may hold a stale one).
+  DeviceSegment* NewSegmentObject() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!free_segments_.empty()) {
+      DeviceSegment* seg = free_segments_.back();
+      free_segments_.pop_back();
+      return seg;
+    }
+    segment_store_.push_back(std::make_unique<DeviceSegment>());
+    return segment_store_.back().get();
+  }
+  void RecycleSegmentObject(DeviceSegment* seg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    seg->shard.store(nullptr, std::memory_order_release);
+    seg->owner = nullptr;
+    seg->first = nullptr;
+    seg->base = 0;
+    seg->size = 0;
+    seg->stream = 0;
+    seg->backing_handle = 0;
+    seg->free_since = absl::InfinitePast();
+    free_segments_.push_back(seg);
+  }
+  // Records `seg` as the segment of `ss`, for the books and the maps.
+  void Own(Segment* seg, StreamState* ss) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    seg->owner = ss;
+    seg->stream = ss->stream;
+    static_cast<DeviceSegment*>(seg)->shard.store(ss,
+                                                  std::memory_order_release);
+  }
 
   // The smallest wholly free segment of another stream that can serve the
   // request and that allow(seg) accepts.
   template <typename Allow>
   Segment* FindStealable(StreamState* ss, std::size_t rounded, bool small,
                          Allow allow) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const FreeIndex<Segment>& index = whole_free_[PoolIndex(small)];
-    for (Segment* seg = index.LowerBound(rounded); seg != nullptr;
-         seg = FreeIndex<Segment>::Next(seg)) {
-      if (Owner(seg) != ss && classes_.CanServe(seg->size, rounded) &&
-          allow(seg)) {
-        return seg;
+    Segment* best = nullptr;
+    for (StreamState* other : SortedStreams()) {
+      other->mu.AssertHeld();
+      if (other == ss) continue;
+      const FreeIndex<Segment>& index = other->whole_free[PoolIndex(small)];
+      for (Segment* seg = index.LowerBound(rounded); seg != nullptr;
+           seg = FreeIndex<Segment>::Next(seg)) {
+        if (best != nullptr &&
+            (seg->size > best->size ||
+             (seg->size == best->size && seg->base > best->base))) {
+          break;  // the rest of this index is larger
+        }
+        if (classes_.CanServe(seg->size, rounded) && allow(seg)) {
+          best = seg;
+          break;
+        }
       }
     }
-    return nullptr;
+    return best;
   }
 
   // Classic mode under device pressure: takes another tenant's wholly free
@@ -1618,19 +2381,24 @@ class CachingDeviceAllocator::Impl {
   // above the requester's max, and counts it as reclaimed on both sides.
   absl::StatusOr<Segment*> ReclaimSegment(StreamState* ss, std::size_t rounded,
                                           bool small)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const Budget& mine = tenants_[ss->tenant]->budget;
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
+    const TenantId tenant = ss->tenant;
+    const Budget& mine = tenants_[tenant]->budget;
     Segment* seg = FindStealable(
         ss, rounded, small, [&](Segment* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          const TenantId owner = Owner(s)->tenant;
-          if (owner == ss->tenant) return true;
+          StreamState* from = ShardOf(s);
+          from->mu.AssertHeld();
+          const TenantId owner = from->tenant;
+          if (owner == tenant) return true;
           const std::size_t min = tenants_[owner]->budget.min;
           return TenantMapped(owner) >= min + s->size &&
                  (mine.max == kNoLimit ||
-                  TenantMapped(ss->tenant) + s->size <= mine.max);
+                  TenantMapped(tenant) + s->size <= mine.max);
         });
     if (seg == nullptr) return nullptr;
-    const TenantId owner = Owner(seg)->tenant;
+    StreamState* from = ShardOf(seg);
+    from->mu.AssertHeld();
+    const TenantId owner = from->tenant;
     CTXPOOL_RETURN_IF_ERROR(MoveSegment(seg, ss));
     if (owner != ss->tenant) {
       tenants_[owner]->reclaimed_from += seg->size;
@@ -1643,17 +2411,19 @@ class CachingDeviceAllocator::Impl {
   std::vector<std::size_t> MappedByTenant() const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::vector<std::size_t> v(tenants_.size(), 0);
-    for (const auto& [stream, ss] : streams_) {
-      v[ss->tenant] += Current(ss->stats.reserved_bytes);
+    for (std::size_t t = 0; t < tenants_.size(); ++t) {
+      v[t] = TenantMapped(static_cast<TenantId>(t));
     }
     return v;
   }
 
   // Hands wholly free `seg` to stream `to`, ordering `to`'s later work after
-  // the owner's queued work with an event: no host synchronise.
+  // the owner's queued work with an event: no host synchronise. Its one
+  // block moves to `to`'s arena.
   absl::Status MoveSegment(Segment* seg, StreamState* to)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    StreamState* from = Owner(seg);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, to->mu) {
+    StreamState* from = ShardOf(seg);
+    from->mu.AssertHeld();
     if (from->retired) {
       absl::Status s =
           driver_.StreamWaitEvent(StreamHandle(to->stream), from->retire_event);
@@ -1679,63 +2449,69 @@ class CachingDeviceAllocator::Impl {
         ++num_stream_waits_;
       }
     }
-    Block* b = seg->first;
-    Unindex(b);
+    Block* old = seg->first;
+    Unindex(from, old);
     const auto size = static_cast<std::int64_t>(seg->size);
-    AddStat(from->stats.segment, seg->small, -1);
-    AddStat(from->stats.reserved_bytes, seg->small, -size);
-    seg->owner = to;
-    seg->stream = to->stream;
-    AddStat(to->stats.segment, seg->small, 1);
-    AddStat(to->stats.reserved_bytes, seg->small, size);
-    Index(b);
+    Bump(from, &PoolStats::segment, seg->small, -1);
+    BumpReserved(from, seg->small, -size);
+    from->blocks.Delete(old);
+    Block* b = to->blocks.New();
+    b->address = seg->base;
+    b->size = seg->size;
+    b->segment = seg;
+    b->state = BlockState::kFree;
+    seg->first = b;
+    Own(seg, to);
+    Bump(to, &PoolStats::segment, seg->small, 1);
+    BumpReserved(to, seg->small, size);
+    Index(to, b);
     return absl::OkStatus();
   }
 
-  // A new segment from the backing, indexed as one free block.
+  // A new segment from the backing, indexed as one free block of `ss`.
   absl::StatusOr<Block*> NewSegment(StreamState* ss, std::size_t bytes,
                                     bool small)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     CTXPOOL_RETURN_IF_ERROR(alloc_internal::CheckMemoryLimit(
         "cuMemAlloc", options_.memory_limit_bytes, Reserved(), bytes));
     // Host bookkeeping first and the books last, so that host memory
     // running out (std::bad_alloc) loses no device memory and leaves the
     // books as they were.
-    auto seg = std::make_unique<DeviceSegment>();
-    Block* b = blocks_.New();
+    DeviceSegment* seg = NewSegmentObject();
+    Block* b = ss->blocks.New();
     absl::StatusOr<BackedRange> range = backing_->Allocate(bytes);
     if (!range.ok()) {
-      blocks_.Delete(b);
+      ss->blocks.Delete(b);
+      RecycleSegmentObject(seg);
       return range.status();
     }
     ++upstream_allocs_;
     seg->base = range->base.address();
     seg->size = range->size;
-    seg->stream = ss->stream;
     seg->small = small;
     seg->backing_handle = range->handle;
-    seg->owner = ss;
     b->address = seg->base;
     b->size = seg->size;
-    b->segment = seg.get();
+    b->segment = seg;
     b->state = BlockState::kFree;
     seg->first = b;
-    Segment* const raw = seg.get();
     try {
-      segments_.emplace(raw->base, std::move(seg));
+      segments_.emplace(seg->base, seg);
     } catch (...) {
       if (backing_->Free(*range).ok()) ++upstream_frees_;
-      blocks_.Delete(b);
+      ss->blocks.Delete(b);
+      RecycleSegmentObject(seg);
       throw;
     }
+    Own(seg, ss);
+    pages_.Insert(seg);
     Bump(ss, &PoolStats::segment, small, 1);
-    Bump(ss, &PoolStats::reserved_bytes, small,
-         static_cast<std::int64_t>(raw->size));
+    BumpReserved(ss, small, static_cast<std::int64_t>(seg->size));
     if (recorder_.enabled()) {
-      recorder_.Record(TraceOp::kSegmentMap, raw->base, raw->size, ss->stream,
+      recorder_.Record(TraceOp::kSegmentMap, seg->base, seg->size, ss->stream,
                        ss->tenant);
     }
-    Index(b);
+    Index(ss, b);
     NotePeak(ss->tenant);
     return b;
   }
@@ -1747,7 +2523,8 @@ class CachingDeviceAllocator::Impl {
   absl::Status DropSegment(Segment* seg, bool free_memory, bool keep_on_error)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     absl::Status s;
-    StreamState* ss = Owner(seg);
+    StreamState* ss = ShardOf(seg);
+    ss->mu.AssertHeld();
     const bool small = seg->small;
     if (expandable_) {
       // Unmap every piece (to the cache), then give the range back.
@@ -1779,38 +2556,41 @@ class CachingDeviceAllocator::Impl {
       }
       if (!unreserved) {
         // Whatever could not be unmapped is dropped from the books: leaked.
-        Bump(ss, &PoolStats::reserved_bytes, small,
-             -static_cast<std::int64_t>(r->mapped));
+        BumpReserved(ss, small, -static_cast<std::int64_t>(r->mapped));
         vmm_.Forget(r);
       }
       ss->range[PoolIndex(small)] = nullptr;
-    } else if (free_memory) {
-      s = backing_->Free(
-          BackedRange{DevicePtr(seg->base), seg->size, seg->backing_handle});
-      if (s.ok()) {
-        ++upstream_frees_;
-        if (recorder_.enabled()) {
-          recorder_.Record(TraceOp::kSegmentUnmap, seg->base, seg->size,
-                           seg->stream, ss->tenant);
-        }
-      } else if (keep_on_error) {
-        return s;
-      } else {
-        leaked_bytes_ += seg->size;
-      }
+      ranges_.Erase(seg);
     } else {
-      leaked_bytes_ += seg->size;  // never freed: no context to free it in
+      if (free_memory) {
+        s = backing_->Free(
+            BackedRange{DevicePtr(seg->base), seg->size, seg->backing_handle});
+        if (s.ok()) {
+          ++upstream_frees_;
+          if (recorder_.enabled()) {
+            recorder_.Record(TraceOp::kSegmentUnmap, seg->base, seg->size,
+                             seg->stream, ss->tenant);
+          }
+        } else if (keep_on_error) {
+          return s;
+        } else {
+          leaked_bytes_ += seg->size;
+        }
+      } else {
+        leaked_bytes_ += seg->size;  // never freed: no context to free it in
+      }
+      pages_.Erase(seg);
     }
     for (Block* b = seg->first; b != nullptr;) {
       Block* next = b->next;
       switch (b->state) {
         case BlockState::kAllocated: {
-          live_.erase(b->address);
-          auto* o = static_cast<OwnerRec*>(b->owner_data);
-          RemoveAllocatedStats(b);
-          if (o != nullptr) {  // dropped by a forced Reset: a reclaim
-            --o->frees;
-            ++o->reclaimed;
+          ss->live.erase(b->address);
+          auto* sub = static_cast<SubAccount*>(b->owner_data);
+          RemoveAllocatedStats(ss, b);
+          if (sub != nullptr) {  // dropped by a forced Reset: a reclaim
+            --sub->frees;
+            ++sub->reclaimed;
           }
         }
           [[fallthrough]];
@@ -1820,18 +2600,18 @@ class CachingDeviceAllocator::Impl {
                -static_cast<std::int64_t>(b->size));
           break;
         case BlockState::kFree:
-          Unindex(b);
+          Unindex(ss, b);
           break;
       }
-      blocks_.Delete(b);
+      ss->blocks.Delete(b);
       b = next;
     }
     Bump(ss, &PoolStats::segment, small, -1);
     if (!expandable_) {
-      Bump(ss, &PoolStats::reserved_bytes, small,
-           -static_cast<std::int64_t>(seg->size));
+      BumpReserved(ss, small, -static_cast<std::int64_t>(seg->size));
     }
     segments_.erase(seg->base);
+    RecycleSegmentObject(static_cast<DeviceSegment*>(seg));
     return s;
   }
 
@@ -1862,16 +2642,19 @@ class CachingDeviceAllocator::Impl {
     }
   }
 
-  // The wholly free segments (both pools) for which keep(seg) is true, in
-  // index order.
+  // The wholly free segments (both pools, every stream) for which keep(seg)
+  // is true.
   template <typename Keep>
   std::vector<Segment*> WholeFreeWhere(Keep keep)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::vector<Segment*> out;
-    for (const FreeIndex<Segment>& index : whole_free_) {
-      for (Segment* seg = index.First(); seg != nullptr;
-           seg = FreeIndex<Segment>::Next(seg)) {
-        if (keep(seg)) out.push_back(seg);
+    for (StreamState* ss : SortedStreams()) {
+      ss->mu.AssertHeld();
+      for (const FreeIndex<Segment>& index : ss->whole_free) {
+        for (Segment* seg = index.First(); seg != nullptr;
+             seg = FreeIndex<Segment>::Next(seg)) {
+          if (keep(seg)) out.push_back(seg);
+        }
       }
     }
     return out;
@@ -1888,9 +2671,10 @@ class CachingDeviceAllocator::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::vector<Segment*> candidates =
         WholeFreeWhere([&](Segment* seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return only == nullptr || Owner(seg) == only;
+          return only == nullptr || ShardOf(seg) == only;
         });
-    const std::size_t allocated = Current(total_.allocated_bytes);
+    FoldAll();
+    const std::size_t allocated = Current(totals_.agg.allocated_bytes);
     return DropWholeFree(
         std::move(candidates), /*wait=*/true, protect_min,
         [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -1919,7 +2703,8 @@ class CachingDeviceAllocator::Impl {
     absl::Status first_error;
     for (Segment* seg : candidates) {
       if (done()) break;
-      StreamState* owner = Owner(seg);
+      StreamState* owner = ShardOf(seg);
+      owner->mu.AssertHeld();
       if (protect_min) {  // never below another tenant's min
         const std::size_t min = tenants_[owner->tenant]->budget.min;
         if (min != 0 && TenantMapped(owner->tenant) < min + seg->size) continue;
@@ -1963,7 +2748,9 @@ class CachingDeviceAllocator::Impl {
     if (TenantMapped(t) <= high) return absl::OkStatus();
     std::vector<Segment*> candidates =
         WholeFreeWhere([&](Segment* seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return Owner(seg)->tenant == t;
+          StreamState* owner = ShardOf(seg);
+          owner->mu.AssertHeld();
+          return owner->tenant == t;
         });
     return DropWholeFree(
         std::move(candidates), /*wait=*/false, /*protect_min=*/false,
@@ -2011,16 +2798,17 @@ class CachingDeviceAllocator::Impl {
     absl::Status status;
     if (expandable_) {
       std::vector<StreamState*> stale;
-      for (auto& [stream, ss] : streams_) {
+      for (StreamState* ss : SortedStreams()) {
+        ss->mu.AssertHeld();
         if (ss->ops != ss->ops_seen || ss->active_at == absl::InfinitePast()) {
           ss->ops_seen = ss->ops;
           ss->active_at = now;
         } else if (ss->active_at <= cutoff && ss->decayed_ops != ss->ops) {
-          stale.push_back(ss.get());
+          stale.push_back(ss);
         }
       }
-      SortByStream(&stale);
       for (StreamState* ss : stale) {
+        ss->mu.AssertHeld();
         bool busy = false;
         absl::Status s = UnmapFreeGranules(ss, kNoLimit, /*wait=*/false,
                                            nullptr, &busy, nullptr);
@@ -2053,15 +2841,13 @@ class CachingDeviceAllocator::Impl {
 
   std::size_t TenantMapped(TenantId t) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    std::size_t n = 0;
-    for (const StreamState* ss : tenants_[t]->streams) {
-      n += Current(ss->stats.reserved_bytes);
-    }
-    return n;
+    return tenants_[t]->mapped.load(std::memory_order_relaxed);
   }
+  // REQUIRES: AllShards.
   std::size_t TenantLive(TenantId t) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::size_t n = 0;
     for (const StreamState* ss : tenants_[t]->streams) {
+      ss->mu.AssertHeld();
       n += Current(ss->stats.allocated_bytes);
     }
     return n;
@@ -2073,13 +2859,16 @@ class CachingDeviceAllocator::Impl {
     SortByStream(&v);
     return v;
   }
-  // Moves `ss` from its tenant's stream list to `t`'s.
+  // Moves `ss` (and the memory it holds) from its tenant to `t`.
   void SetTenant(StreamState* ss, TenantId t)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     std::vector<StreamState*>& from = tenants_[ss->tenant]->streams;
     from.erase(std::find(from.begin(), from.end(), ss));
+    const std::size_t held = Current(ss->stats.reserved_bytes);
+    tenants_[ss->tenant]->mapped.fetch_sub(held, std::memory_order_relaxed);
     tenants_[t]->streams.push_back(ss);
-    ss->tenant = t;
+    tenants_[t]->mapped.fetch_add(held, std::memory_order_relaxed);
+    SetTenantFields(ss, t);
   }
   void NotePeak(TenantId t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Tenant& tn = *tenants_[t];
@@ -2091,7 +2880,7 @@ class CachingDeviceAllocator::Impl {
   absl::Status TenantOom(StreamState* ss, std::size_t rounded,
                          std::size_t requested, std::size_t growth,
                          OomReport* report, bool* oom)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     const Tenant& t = *tenants_[ss->tenant];
     FillReport(ss, rounded, requested, report);
     report->tenant_limit = true;
@@ -2143,7 +2932,7 @@ class CachingDeviceAllocator::Impl {
 
   // The stream's range for a pool, reserved on first use.
   absl::StatusOr<Segment*> EnsureRange(StreamState* ss, bool small)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     Segment*& slot = ss->range[PoolIndex(small)];
     if (slot != nullptr) return slot;
     // Twice the device's memory: virtual space is cheap, and the slack keeps
@@ -2151,25 +2940,25 @@ class CachingDeviceAllocator::Impl {
     // memory could serve.
     const std::size_t size = 2 * SizeClasses::RoundUp(device_total_, granule_);
     CTXPOOL_ASSIGN_OR_RETURN(VmmRange * r, vmm_.Reserve(size));
-    auto seg = std::make_unique<DeviceSegment>();
+    DeviceSegment* seg = NewSegmentObject();
     seg->base = r->base;
     seg->size = size;
-    seg->stream = ss->stream;
     seg->small = small;
     seg->backing_handle =
         static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(r));
-    seg->owner = ss;
-    Block* b = blocks_.New();
+    Block* b = ss->blocks.New();
     b->address = seg->base;
     b->size = seg->size;
-    b->segment = seg.get();
+    b->segment = seg;
     b->state = BlockState::kFree;
     b->unmapped = true;
     seg->first = b;
+    Own(seg, ss);
     Bump(ss, &PoolStats::segment, small, 1);
-    slot = seg.get();
-    segments_.emplace(seg->base, std::move(seg));
-    Index(b);
+    slot = seg;
+    segments_.emplace(seg->base, seg);
+    ranges_.Insert(seg);
+    Index(ss, b);
     return slot;
   }
 
@@ -2219,22 +3008,24 @@ class CachingDeviceAllocator::Impl {
   // were (indexed); the returned block covering [lo, hi) is unindexed.
   Block* SplitOut(Block* b, std::uint64_t lo, std::uint64_t hi)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Unindex(b);
+    StreamState* ss = ShardOf(b->segment);
+    ss->mu.AssertHeld();
+    Unindex(ss, b);
     if (lo > b->address) {
-      Block* mid = SplitBlock(b, lo - b->address, blocks_);
-      Index(b);
+      Block* mid = SplitBlock(b, lo - b->address, ss->blocks);
+      Index(ss, b);
       b = mid;
     }
-    if (hi < b->end()) Index(SplitBlock(b, hi - b->address, blocks_));
+    if (hi < b->end()) Index(ss, SplitBlock(b, hi - b->address, ss->blocks));
     return b;
   }
 
   // Books [address, +bytes) of `seg` as newly mapped: stats and trace.
   void NoteMapped(Segment* seg, std::uint64_t address, std::size_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    StreamState* ss = Owner(seg);
-    Bump(ss, &PoolStats::reserved_bytes, seg->small,
-         static_cast<std::int64_t>(bytes));
+    StreamState* ss = ShardOf(seg);
+    ss->mu.AssertHeld();
+    BumpReserved(ss, seg->small, static_cast<std::int64_t>(bytes));
     if (recorder_.enabled()) {
       recorder_.Record(TraceOp::kSegmentMap, address, bytes, ss->stream,
                        ss->tenant);
@@ -2247,10 +3038,12 @@ class CachingDeviceAllocator::Impl {
   // new block, coalesced with its neighbours of the same kind and indexed.
   Block* Carve(Block* b, std::uint64_t lo, std::uint64_t hi, bool to_unmapped)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    StreamState* ss = ShardOf(b->segment);
+    ss->mu.AssertHeld();
     b = SplitOut(b, lo, hi);
     b->unmapped = to_unmapped;
-    b = Coalesce(b);
-    Index(b);
+    b = Coalesce(ss, b);
+    Index(ss, b);
     return b;
   }
 
@@ -2262,9 +3055,9 @@ class CachingDeviceAllocator::Impl {
     VmmRange* r = RangeOf(seg);
     CTXPOOL_RETURN_IF_ERROR(vmm_.UnmapPiece(r, i, count));
     const std::size_t bytes = *count * granule_;
-    StreamState* ss = Owner(seg);
-    Bump(ss, &PoolStats::reserved_bytes, seg->small,
-         -static_cast<std::int64_t>(bytes));
+    StreamState* ss = ShardOf(seg);
+    ss->mu.AssertHeld();
+    BumpReserved(ss, seg->small, -static_cast<std::int64_t>(bytes));
     if (recorder_.enabled()) {
       recorder_.Record(TraceOp::kSegmentUnmap, r->base + i * granule_, bytes,
                        ss->stream, ss->tenant);
@@ -2287,7 +3080,7 @@ class CachingDeviceAllocator::Impl {
   template <typename Fn>
   void ForFreeGranuleRuns(StreamState* ss, std::uint64_t skip_lo,
                           std::uint64_t skip_hi, Fn fn)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     for (int pool : {1, 0}) {
       const Segment* seg = ss->range[pool];
       if (seg == nullptr) continue;
@@ -2304,7 +3097,7 @@ class CachingDeviceAllocator::Impl {
     }
   }
   std::size_t FreeMappedBytes(StreamState* ss)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     std::size_t n = 0;
     ForFreeGranuleRuns(ss, 0, 0, [&](const GranuleRun& run) {
       n += (run.hi - run.lo) * granule_;
@@ -2314,7 +3107,8 @@ class CachingDeviceAllocator::Impl {
   }
 
   // Whether the work queued on `ss` so far is done, without waiting.
-  bool StreamIdleNow(StreamState* ss) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  bool StreamIdleNow(StreamState* ss)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     if (ss->destroyed) return true;
     if (ss->retired) return RetiredIdle(ss, /*wait=*/false, nullptr);
     absl::StatusOr<EventHandle> e = GetEvent();
@@ -2340,7 +3134,7 @@ class CachingDeviceAllocator::Impl {
                                  std::uint64_t skip_lo = 0,
                                  std::uint64_t skip_hi = 0,
                                  std::size_t cap = kNoLimit)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     // Per block, the pieces to unmap: a contiguous span [lo, hi) of granules.
     absl::InlinedVector<GranuleRun, 8> todo;
     std::size_t bytes = 0;
@@ -2439,6 +3233,7 @@ class CachingDeviceAllocator::Impl {
     ScopedContext ctx(driver_, ctx_);
     if (!ctx.status().ok()) return;
     for (StreamState* ss : TenantStreams(t)) {
+      ss->mu.AssertHeld();
       if (mapped <= high) break;
       bool busy = false;
       std::size_t got = 0;
@@ -2453,9 +3248,10 @@ class CachingDeviceAllocator::Impl {
   // first — without waiting for any stream. Returns the bytes moved.
   std::size_t Reclaim(StreamState* ss, std::size_t want, std::uint64_t skip_lo,
                       std::uint64_t skip_hi)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     std::size_t got = 0;
     for (StreamState* x : TenantStreams(ss->tenant)) {
+      x->mu.AssertHeld();
       if (got >= want) return got;
       bool busy = false;
       UnmapFreeGranules(x, kNoLimit, /*wait=*/false, nullptr, &busy, &got,
@@ -2486,6 +3282,7 @@ class CachingDeviceAllocator::Impl {
       if (got >= want) break;
       const std::size_t min = tenants_[t]->budget.min;
       for (StreamState* x : TenantStreams(t)) {
+        x->mu.AssertHeld();
         const std::size_t mapped = TenantMapped(t);
         if (got >= want || mapped <= min) break;
         const std::size_t allow = (mapped - min) / granule_ * granule_;
@@ -2523,7 +3320,7 @@ class CachingDeviceAllocator::Impl {
            !b->quarantined;
   }
   Placement Place(StreamState* ss, std::size_t rounded, bool small) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     constexpr int kProbes = 16;
     const FreeIndex<Block>& index = ss->unmapped[PoolIndex(small)];
     const std::size_t whole = SizeClasses::RoundUp(rounded, granule_);
@@ -2596,7 +3393,8 @@ class CachingDeviceAllocator::Impl {
     const std::uint64_t hi =
         std::min<std::uint64_t>(at.u->end(), r->base + want * granule_);
     if (hi <= at.hi) return at.hi;
-    const StreamState* ss = Owner(at.u->segment);
+    const StreamState* ss = ShardOf(at.u->segment);
+    ss->mu.AssertHeld();
     const Budget& budget = tenants_[ss->tenant]->budget;
     if (budget.max != kNoLimit &&
         TenantMapped(ss->tenant) + (hi - at.lo) > budget.max) {
@@ -2611,9 +3409,12 @@ class CachingDeviceAllocator::Impl {
   // pressure: the tenant's max, or the device (or memory_limit_bytes) out of
   // memory, when free granules move through the cache (Reclaim).
   // REQUIRES: context set.
-  absl::StatusOr<DevicePtr> AllocateExpandable(
-      StreamState* ss, std::size_t rounded, std::size_t requested, bool small,
-      OomReport* report, bool* oom) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  absl::StatusOr<DevicePtr> AllocateExpandable(StreamState* ss,
+                                               std::size_t rounded,
+                                               std::size_t requested,
+                                               bool small, OomReport* report,
+                                               bool* oom, const Tag& tag)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     CTXPOOL_ASSIGN_OR_RETURN(Segment * seg, EnsureRange(ss, small));
     Placement at = Place(ss, rounded, small);
     auto exhausted = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -2629,6 +3430,7 @@ class CachingDeviceAllocator::Impl {
       std::size_t over = TenantMapped(ss->tenant) + at.bytes() - t.budget.max;
       const auto [skip_lo, skip_hi] = Span(at);
       for (StreamState* x : TenantStreams(ss->tenant)) {
+        x->mu.AssertHeld();
         bool busy = false;
         std::size_t got = 0;
         UnmapFreeGranules(x, over, /*wait=*/false, nullptr, &busy, &got,
@@ -2665,12 +3467,12 @@ class CachingDeviceAllocator::Impl {
     NotePeak(ss->tenant);
     // The remnant of a fresh mapping is kept apart even when small: the next
     // growth extends it (Place) instead of mapping a granule beside it.
-    return TakeBlock(*b, rounded, requested, /*split_any=*/true);
+    return TakeBlock(ss, *b, rounded, requested, tag, /*split_any=*/true);
   }
 
-  absl::StatusOr<DevicePtr> Traced(absl::StatusOr<DevicePtr> p,
-                                   std::size_t requested, StreamState* ss)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  absl::StatusOr<DevicePtr> Traced(StreamState* ss, absl::StatusOr<DevicePtr> p,
+                                   std::size_t requested)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
     if (recorder_.enabled() && p.ok()) {
       recorder_.Record(TraceOp::kAlloc, p->address(), requested, ss->stream,
                        ss->tenant);
@@ -2684,12 +3486,13 @@ class CachingDeviceAllocator::Impl {
   // have reused. Sets *oom (and fills *report) when memory ran out.
   absl::StatusOr<DevicePtr> AllocateSlow(StreamState* ss, std::size_t rounded,
                                          std::size_t requested, bool small,
-                                         OomReport* report, bool* oom)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                                         OomReport* report, bool* oom,
+                                         const Tag& tag)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     ScopedContext ctx(driver_, ctx_);
     CTXPOOL_RETURN_IF_ERROR(ctx.status());
     absl::StatusOr<DevicePtr> p =
-        AllocateMiss(ss, rounded, requested, small, report, oom);
+        AllocateMiss(ss, rounded, requested, small, report, oom, tag);
     TrimResult scratch;
     std::size_t busy = 0;
     if (!expandable_) ShedAllAboveHigh(&scratch, &busy).IgnoreError();
@@ -2701,19 +3504,20 @@ class CachingDeviceAllocator::Impl {
   // segment, or go through the OOM path. REQUIRES: context set.
   absl::StatusOr<DevicePtr> AllocateMiss(StreamState* ss, std::size_t rounded,
                                          std::size_t requested, bool small,
-                                         OomReport* report, bool* oom)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                                         OomReport* report, bool* oom,
+                                         const Tag& tag)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     if (!pending_.empty()) {
       PollPending();
       Block* b = FindFree(ss, rounded, small);
       if (b != nullptr) {
-        ++cache_hits_;
-        return TakeBlock(b, rounded, requested);
+        ++ss->cache_hits;
+        return TakeBlock(ss, b, rounded, requested, tag);
       }
     }
     if (expandable_) {
       absl::StatusOr<DevicePtr> p =
-          AllocateExpandable(ss, rounded, requested, small, report, oom);
+          AllocateExpandable(ss, rounded, requested, small, report, oom, tag);
       if (*oom && !report->tenant_limit) {
         FillReport(ss, rounded, requested, report);
       }
@@ -2731,7 +3535,7 @@ class CachingDeviceAllocator::Impl {
         ReleaseCached(x, 0, &scratch, &busy).IgnoreError();
       }
       if (Block* fit = FindFree(ss, rounded, small)) {
-        return TakeBlock(fit, rounded, requested);
+        return TakeBlock(ss, fit, rounded, requested, tag);
       }
       if (TenantMapped(ss->tenant) + segment_bytes > budget.max) {
         return TenantOom(ss, rounded, requested, segment_bytes, report, oom);
@@ -2740,16 +3544,19 @@ class CachingDeviceAllocator::Impl {
     // Without pressure a stream reuses only its own tenant's cached
     // segments: another tenant's cache is its own until the device runs out
     // (cgroup-like: reclaim happens under pressure, never below min).
+    const TenantId tenant = ss->tenant;
     if (Segment* seg =
             FindStealable(ss, rounded, small,
                           [&](Segment* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-                            return Owner(s)->tenant == ss->tenant;
+                            StreamState* from = ShardOf(s);
+                            from->mu.AssertHeld();
+                            return from->tenant == tenant;
                           })) {
       CTXPOOL_RETURN_IF_ERROR(MoveSegment(seg, ss));
-      return TakeBlock(seg->first, rounded, requested);
+      return TakeBlock(ss, seg->first, rounded, requested, tag);
     }
     absl::StatusOr<Block*> b = NewSegment(ss, segment_bytes, small);
-    if (b.ok()) return TakeBlock(*b, rounded, requested);
+    if (b.ok()) return TakeBlock(ss, *b, rounded, requested, tag);
     if (!IsOutOfMemory(b.status())) return b.status();
 
     // Out of memory: give back this stream's cached segments, wait for
@@ -2761,13 +3568,13 @@ class CachingDeviceAllocator::Impl {
     ReleaseCached(ss, 0, &scratch, &busy).IgnoreError();
     SyncPending(&scratch.event_waits);
     if (Block* fit = FindFree(ss, rounded, small)) {
-      return TakeBlock(fit, rounded, requested);
+      return TakeBlock(ss, fit, rounded, requested, tag);
     }
     CTXPOOL_ASSIGN_OR_RETURN(Segment * taken,
                              ReclaimSegment(ss, rounded, small));
     if (taken != nullptr) {
       NotePeak(ss->tenant);
-      return TakeBlock(taken->first, rounded, requested);
+      return TakeBlock(ss, taken->first, rounded, requested, tag);
     }
     const std::vector<std::size_t> before = MappedByTenant();
     ReleaseCached(nullptr, 0, &scratch, &busy, /*protect_min=*/true)
@@ -2779,7 +3586,7 @@ class CachingDeviceAllocator::Impl {
       tenants_[ss->tenant]->reclaimed_by += before[t] - after[t];
     }
     b = NewSegment(ss, segment_bytes, small);
-    if (b.ok()) return TakeBlock(*b, rounded, requested);
+    if (b.ok()) return TakeBlock(ss, *b, rounded, requested, tag);
     if (!IsOutOfMemory(b.status())) return b.status();
 
     *oom = true;
@@ -2788,27 +3595,31 @@ class CachingDeviceAllocator::Impl {
   }
 
   void FillReport(StreamState* ss, std::size_t rounded, std::size_t requested,
-                  OomReport* report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                  OomReport* report)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
+    FoldAll();
     report->requested_bytes = requested;
     report->rounded_bytes = rounded;
     report->tenant = tenants_[ss->tenant]->name;
     report->tenant_bytes = TenantMapped(ss->tenant);
     report->tenant_live_bytes = TenantLive(ss->tenant);
     report->stream = StreamHandle(ss->stream);
-    report->live_bytes = Current(total_.allocated_bytes);
+    report->live_bytes = Current(totals_.agg.allocated_bytes);
     report->reserved_bytes = Reserved();
     report->memory_limit_bytes = options_.memory_limit_bytes;
     // The free indexes hold mapped blocks only (unmapped virtual space is
     // not free memory), so the fragmentation stays in [0, 1].
     std::size_t largest = 0;
     for (const auto& [stream, state] : streams_) {
+      state->mu.AssertHeld();
       for (const FreeIndex<Block>& index : state->free) {
         if (const Block* last = index.Last()) {
           largest = std::max(largest, last->size);
         }
       }
     }
-    const std::size_t free_bytes = Reserved() - Current(total_.active_bytes);
+    const std::size_t free_bytes =
+        Reserved() - Current(totals_.agg.active_bytes);
     largest = std::min(largest, free_bytes);
     report->largest_free_bytes = largest;
     report->fragmentation = free_bytes == 0
@@ -2837,22 +3648,38 @@ class CachingDeviceAllocator::Impl {
   TraceRecorder recorder_;
   const ForkGuard fork_guard_;  // after fork(): every call fails
 
-  mutable core_internal::SpinLock mu_;
-  BlockPool blocks_ ABSL_GUARDED_BY(mu_);
-  absl::btree_map<std::uint64_t, std::unique_ptr<DeviceSegment>> segments_
+  mutable SpinLock mu_;
+  // The lock-free maps of the cached paths (address_map.h), written under
+  // mu_: handle -> shard, and address -> segment (pages_ in classic mode,
+  // ranges_ in expandable mode).
+  StreamTable<StreamState> stream_table_;
+  SegmentPageMap pages_;
+  RangeTable ranges_;
+  // Every segment by base; the objects live in segment_store_ and are
+  // recycled through free_segments_, never deleted before the allocator.
+  absl::btree_map<std::uint64_t, DeviceSegment*> segments_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<DeviceSegment>> segment_store_
       ABSL_GUARDED_BY(mu_);
+  std::vector<DeviceSegment*> free_segments_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::uint64_t, std::unique_ptr<StreamState>> streams_
       ABSL_GUARDED_BY(mu_);
-  StreamState* last_stream_ ABSL_GUARDED_BY(mu_) = nullptr;
-  FreeIndex<Segment> whole_free_[2] ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::uint64_t, Block*> live_ ABSL_GUARDED_BY(mu_);
   std::vector<PendingEvent> pending_ ABSL_GUARDED_BY(mu_);
   std::vector<EventHandle> event_pool_ ABSL_GUARDED_BY(mu_);
+  // The device totals (see the file comment): `agg` is guarded by the lock
+  // of the shard in `holder` (every shard's under AllShards).
+  // `holder` and `holder_thread` are read on every cached call and written
+  // only at take-overs: a line of their own, apart from what the holder
+  // writes on every call.
+  struct alignas(64) Totals {
+    std::atomic<StreamState*> holder{nullptr};
+    std::atomic<pthread_t> holder_thread{};
+    alignas(64) PoolStats agg;
+  };
+  mutable Totals totals_;
+  std::size_t reserved_now_ ABSL_GUARDED_BY(mu_) = 0;  // sum of reserved
 
-  PoolStats total_ ABSL_GUARDED_BY(mu_);
   std::int64_t num_alloc_retries_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t num_ooms_ ABSL_GUARDED_BY(mu_) = 0;
-  std::int64_t cache_hits_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t upstream_allocs_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t upstream_frees_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t num_trims_ ABSL_GUARDED_BY(mu_) = 0;
@@ -2870,10 +3697,6 @@ class CachingDeviceAllocator::Impl {
   absl::flat_hash_set<std::uint64_t> bound_ ABSL_GUARDED_BY(mu_);
   // By id - 1; a null slot was unregistered (ids are never reused).
   std::vector<std::unique_ptr<OwnerRec>> owners_ ABSL_GUARDED_BY(mu_);
-  // The tag of the block TakeBlock hands out next (set by Allocate).
-  OwnerId next_owner_ ABSL_GUARDED_BY(mu_) = kNoOwner;
-  OwnerRec* next_owner_rec_ ABSL_GUARDED_BY(mu_) = nullptr;
-  const char* next_label_ ABSL_GUARDED_BY(mu_) = nullptr;
 };
 
 namespace {
@@ -2913,13 +3736,15 @@ absl::Status CompareStats(const PoolStats& want, const PoolStats& got,
 absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
   CTXPOOL_RETURN_IF_ERROR(
       fork_guard_.Check("CachingDeviceAllocator::CheckInvariants"));
-  core_internal::SpinLockHolder lock(&mu_);
+  AllShards lock(this);
+  FoldAll();
   PoolStats total;
   absl::flat_hash_map<std::uint64_t, PoolStats> per_stream;
   std::size_t free_blocks = 0;
   std::size_t whole_free_segments = 0;
   std::size_t blocks = 0;
   std::size_t allocated_blocks = 0;
+  absl::flat_hash_map<const StreamState*, std::size_t> blocks_of;
   std::size_t pending_events = 0;
   std::size_t free_bytes = 0;
   std::size_t pending_bytes = 0;
@@ -2935,12 +3760,24 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
           absl::StrFormat("segment keyed 0x%x has base 0x%x", base, seg.base));
     }
     CTXPOOL_RETURN_IF_ERROR(CheckSegmentTiling(seg));  // I1
-    const StreamState* ss = Owner(&seg);
+    const StreamState* ss = ShardOf(&seg);
     auto sit = streams_.find(seg.stream);
-    if (ss == nullptr || sit == streams_.end() || sit->second.get() != ss) {
+    if (ss == nullptr || sit == streams_.end() || sit->second.get() != ss ||
+        seg.owner != ss) {
       return absl::InternalError(
           absl::StrFormat("segment 0x%x: owner is not the state of stream 0x%x",
                           seg.base, seg.stream));
+    }
+    ss->mu.AssertHeld();
+    // I15: the lock-free maps find the segment at its first and last byte.
+    const Segment* at_base =
+        expandable_ ? ranges_.Find(seg.base) : pages_.Find(seg.base);
+    const Segment* at_end =
+        expandable_ ? ranges_.Find(seg.end() - 1) : pages_.Find(seg.end() - 1);
+    if (at_base != &seg || at_end != &seg) {
+      return absl::InternalError(absl::StrFormat(
+          "I15: the address map does not find segment 0x%x (+%d)", seg.base,
+          seg.size));
     }
     const std::uint64_t s = seg.stream;
     add(s, &PoolStats::segment, seg.small, 1);
@@ -2960,8 +3797,7 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
             "I9: range 0x%x has a bad or overlapping mapping", seg.base));
       }
       if (mapped != range->mapped || range->base != seg.base ||
-          range->size != seg.size ||
-          Owner(&seg)->range[PoolIndex(seg.small)] != &seg) {
+          range->size != seg.size || ss->range[PoolIndex(seg.small)] != &seg) {
         return absl::InternalError(
             absl::StrFormat("I9: range 0x%x maps %d bytes, books say %d",
                             seg.base, mapped, range->mapped));
@@ -2969,8 +3805,8 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
     }
     add(s, &PoolStats::reserved_bytes, seg.small,
         static_cast<std::int64_t>(range != nullptr ? range->mapped : seg.size));
-    const bool whole = seg.wholly_free() && !expandable_;             // I10
-    if (whole != whole_free_[PoolIndex(seg.small)].Contains(&seg)) {  // I3
+    const bool whole = seg.wholly_free() && !expandable_;                // I10
+    if (whole != ss->whole_free[PoolIndex(seg.small)].Contains(&seg)) {  // I3
       return absl::InternalError(absl::StrFormat(
           "I3: segment 0x%x wholly free = %d but whole-free index says %d",
           seg.base, whole, !whole));
@@ -2984,6 +3820,7 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
     const FreeIndex<Block>& index = ss->free[PoolIndex(seg.small)];
     for (const Block* b = seg.first; b != nullptr; b = b->next) {
       ++blocks;
+      ++blocks_of[ss];
       const auto size = static_cast<std::int64_t>(b->size);
       if (range != nullptr && !b->unmapped &&
           UnmappedBytes(&seg, b->address, b->size) != 0) {  // I9
@@ -3004,8 +3841,8 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
       switch (b->state) {
         case BlockState::kAllocated: {
           ++allocated_blocks;
-          auto it = live_.find(b->address);
-          if (it == live_.end() || it->second != b || b->linked() ||
+          auto it = ss->live.find(b->address);
+          if (it == ss->live.end() || it->second != b || b->linked() ||
               b->requested > b->size || b->pending_events != 0) {  // I4
             return absl::InternalError(absl::StrFormat(
                 "I4: allocated block 0x%x not live, indexed or oversized",
@@ -3021,7 +3858,7 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
         }
         case BlockState::kPendingFree:
           if (b->pending_events <= 0 || b->linked() ||
-              live_.contains(b->address)) {  // I5
+              ss->live.contains(b->address)) {  // I5
             return absl::InternalError(absl::StrFormat(
                 "I5: pending block 0x%x has %d events, linked %d", b->address,
                 b->pending_events, b->linked()));
@@ -3051,7 +3888,7 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
                 "under its key",
                 b->address, b->size));
           }
-          if (live_.contains(b->address)) {
+          if (ss->live.contains(b->address)) {
             return absl::InternalError(
                 absl::StrFormat("I4: free block 0x%x is live", b->address));
           }
@@ -3064,7 +3901,29 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
     }
   }
   std::size_t indexed = 0;
+  std::size_t whole_indexed = 0;
+  std::size_t live_entries = 0;
   for (const auto& [stream, ss] : streams_) {
+    ss->mu.AssertHeld();
+    if (stream_table_.Find(stream) != ss.get()) {  // I15
+      return absl::InternalError(absl::StrFormat(
+          "I15: the stream table does not find stream 0x%x", stream));
+    }
+    live_entries += ss->live.size();
+    if (static_cast<std::size_t>(ss->blocks.live()) != blocks_of[ss.get()]) {
+      return absl::InternalError(  // I8
+          absl::StrFormat("I8: stream 0x%x's arena has %d blocks out, its "
+                          "segments %d",
+                          stream, ss->blocks.live(), blocks_of[ss.get()]));
+    }
+    for (const FreeIndex<Segment>& index : ss->whole_free) {
+      whole_indexed += index.size();
+      std::string error = index.Validate();
+      if (!error.empty()) {
+        return absl::InternalError(
+            absl::StrFormat("I3: whole-free index: %s", error));
+      }
+    }
     for (const FreeIndex<Block>* index :
          {&ss->free[0], &ss->free[1], &ss->unmapped[0], &ss->unmapped[1]}) {
       indexed += index->size();
@@ -3083,24 +3942,15 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
     return absl::InternalError(absl::StrFormat(
         "I2: %d blocks indexed but %d free blocks", indexed, free_blocks));
   }
-  std::size_t whole_indexed = 0;
-  for (const FreeIndex<Segment>& index : whole_free_) {
-    whole_indexed += index.size();
-    std::string error = index.Validate();
-    if (!error.empty()) {
-      return absl::InternalError(
-          absl::StrFormat("I3: whole-free index: %s", error));
-    }
-  }
   if (whole_indexed != whole_free_segments) {
     return absl::InternalError(
         absl::StrFormat("I3: %d segments indexed as wholly free, %d are",
                         whole_indexed, whole_free_segments));
   }
-  if (live_.size() != allocated_blocks) {  // I4
+  if (live_entries != allocated_blocks) {  // I4
     return absl::InternalError(
         absl::StrFormat("I4: %d live entries but %d allocated blocks",
-                        live_.size(), allocated_blocks));
+                        live_entries, allocated_blocks));
   }
   if (pending_.size() != pending_events) {  // I5
     return absl::InternalError(
@@ -3117,49 +3967,83 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
           p.block->address));
     }
   }
-  CTXPOOL_RETURN_IF_ERROR(CompareStats(total, total_, "total"));  // I6
-  const std::size_t reserved = Current(total_.reserved_bytes);
-  const std::size_t allocated = Current(total_.allocated_bytes);
+  CTXPOOL_RETURN_IF_ERROR(CompareStats(total, totals_.agg, "total"));  // I6
+  const std::size_t reserved = Current(totals_.agg.reserved_bytes);
+  const std::size_t allocated = Current(totals_.agg.allocated_bytes);
+  if (reserved != reserved_now_) {
+    return absl::InternalError(
+        absl::StrFormat("I6: reserved %d but the running count is %d", reserved,
+                        reserved_now_));
+  }
   if (!expandable_ &&
       reserved != allocated + pending_bytes + free_bytes) {  // I7
     return absl::InternalError(absl::StrFormat(
         "I7: reserved %d != allocated %d + pending %d + free %d", reserved,
         allocated, pending_bytes, free_bytes));
   }
-  if (blocks_.live() != blocks) {  // I8
-    return absl::InternalError(
-        absl::StrFormat("I8: %d blocks from the arena, %d in segments",
-                        blocks_.live(), blocks));
-  }
-  // I13: each owner's live charge and count are the sums over its blocks,
-  // and only allocated blocks carry an owner of a registered slot.
+  (void)blocks;
+  // I13: each owner's live charge and count are the sums over its blocks
+  // (each on its stream's sub-account), reserved is live + credit over its
+  // sub-accounts and within max, and only allocated blocks carry an owner
+  // of a registered slot.
   {
-    std::vector<std::pair<std::size_t, std::int64_t>> sums(owners_.size());
-    for (const auto& [address, b] : live_) {
-      if (b->owner == kNoOwner) continue;
-      if (b->owner > owners_.size() || owners_[b->owner - 1] == nullptr) {
-        return absl::InternalError(absl::StrFormat(
-            "I13: block 0x%x has unregistered owner %d", address, b->owner));
+    absl::flat_hash_map<const SubAccount*, std::pair<std::size_t, std::int64_t>>
+        sums;
+    for (const auto& [stream, ss] : streams_) {
+      ss->mu.AssertHeld();
+      for (const auto& [address, b] : ss->live) {
+        if (b->owner == kNoOwner) continue;
+        if (b->owner > owners_.size() || owners_[b->owner - 1] == nullptr) {
+          return absl::InternalError(absl::StrFormat(
+              "I13: block 0x%x has unregistered owner %d", address, b->owner));
+        }
+        const SubAccount* sub = ss->FindSub(b->owner);
+        if (b->owner_data != sub || sub == nullptr) {
+          return absl::InternalError(absl::StrFormat(
+              "I13: block 0x%x: not on owner %d's sub-account of its stream",
+              address, b->owner));
+        }
+        sums[sub].first += Charge(b->requested);
+        ++sums[sub].second;
       }
-      if (b->owner_data != owners_[b->owner - 1].get()) {
-        return absl::InternalError(
-            absl::StrFormat("I13: block 0x%x: owner record is not owner %d's",
-                            address, b->owner));
-      }
-      sums[b->owner - 1].first += Charge(b->requested);
-      ++sums[b->owner - 1].second;
     }
     for (std::size_t i = 0; i < owners_.size(); ++i) {
       const OwnerRec* o = owners_[i].get();
       if (o == nullptr) continue;
-      if (o->live != sums[i].first ||
-          o->allocs - o->frees - o->reclaimed != sums[i].second ||
-          o->peak < o->live || (o->max != 0 && o->live > o->max)) {
+      const auto id = static_cast<OwnerId>(i + 1);
+      std::size_t live = 0;
+      std::size_t credit = 0;
+      for (StreamState* ss : o->shards) {
+        ss->mu.AssertHeld();
+        const SubAccount* sub = ss->FindSub(id);
+        if (sub == nullptr || sub->rec != o) {
+          return absl::InternalError(absl::StrFormat(
+              "I13: owner '%s' lists stream 0x%x without a sub-account",
+              o->name, ss->stream));
+        }
+        const auto [want_live, want_count] = sums[sub];
+        if (sub->live != want_live ||
+            sub->allocs - sub->frees - sub->reclaimed != want_count) {
+          return absl::InternalError(absl::StrFormat(
+              "I13: owner '%s' books %d B in %d blocks on stream 0x%x, its "
+              "blocks hold %d B in %d",
+              o->name, sub->live, sub->allocs - sub->frees - sub->reclaimed,
+              ss->stream, want_live, want_count));
+        }
+        live += sub->live;
+        credit += sub->credit;
+      }
+      const std::size_t reserved_now =
+          o->reserved.load(std::memory_order_relaxed);
+      if ((o->max != 0 &&
+           (reserved_now != live + credit || reserved_now > o->max)) ||
+          o->sum.live != static_cast<std::int64_t>(live) ||
+          o->sum.peak < o->sum.live) {
         return absl::InternalError(absl::StrFormat(
-            "I13: owner '%s' books %d B in %d blocks, its blocks hold %d B in "
-            "%d (peak %d, max %d)",
-            o->name, o->live, o->allocs - o->frees - o->reclaimed,
-            sums[i].first, sums[i].second, o->peak, o->max));
+            "I13: owner '%s': live %d + credit %d, reserved %d, max %d; sum "
+            "%d, peak %d",
+            o->name, live, credit, reserved_now, o->max, o->sum.live,
+            o->sum.peak));
       }
     }
   }
@@ -3167,7 +4051,10 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
   {
     absl::flat_hash_set<const StreamState*> listed;
     for (std::size_t t = 0; t < tenants_.size(); ++t) {
+      std::size_t mapped = 0;
       for (const StreamState* ss : tenants_[t]->streams) {
+        ss->mu.AssertHeld();
+        mapped += Current(ss->stats.reserved_bytes);
         if (!listed.insert(ss).second || ss->tenant != t ||
             !streams_.contains(ss->stream) ||
             streams_.at(ss->stream).get() != ss) {
@@ -3175,6 +4062,11 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
               "I14: stream 0x%x is listed under tenant %d, bound to %d",
               ss->stream, t, ss->tenant));
         }
+      }
+      if (mapped != tenants_[t]->mapped.load(std::memory_order_relaxed)) {
+        return absl::InternalError(absl::StrFormat(
+            "I14: tenant %d's streams hold %d bytes, its count says %d", t,
+            mapped, tenants_[t]->mapped.load(std::memory_order_relaxed)));
       }
     }
     if (listed.size() != streams_.size()) {

@@ -35,8 +35,8 @@
 // Invariant (CheckInvariants, the allocator's I12): every physical
 // allocation's granules are mapped, cached or leaked (dropped from the books
 // while mapped after a forced Reset); the mapped ones are those of the
-// ranges. Thread-compatible: the allocator's lock guards every call, with
-// its context current for the driver calls.
+// ranges. Thread-compatible: the allocator's global lock (mu_) guards every
+// call, with its context current for the driver calls.
 #ifndef CTXPOOL_SRC_ALLOC_EXPANDABLE_BACKING_H_
 #define CTXPOOL_SRC_ALLOC_EXPANDABLE_BACKING_H_
 

@@ -8,7 +8,8 @@
 // virtual range per (stream, pool) whose granules are mapped and unmapped
 // run by run, so its interface is the range and its runs.
 //
-// The caller holds the allocator's lock and has made its context current.
+// The caller holds the allocator's global lock (mu_) and has made its context
+// current.
 #ifndef CTXPOOL_SRC_ALLOC_SEGMENT_BACKING_H_
 #define CTXPOOL_SRC_ALLOC_SEGMENT_BACKING_H_
 

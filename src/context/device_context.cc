@@ -453,7 +453,7 @@ absl::StatusOr<std::unique_ptr<ModelSession>> DeviceContext::OpenSession(
                                      "'): ", bound.message()));
   }
   // The model's allocations carry it as their owner, which enforces the
-  // session's max on live bytes under the allocator's lock.
+  // session's max on live bytes, exactly, in the allocator's shards.
   absl::StatusOr<OwnerId> owner = alloc.RegisterOwner(name, budget.max_bytes);
   if (!owner.ok()) {
     for (StreamHandle s : leased) alloc.UnbindStream(s).IgnoreError();

@@ -51,18 +51,29 @@
 // must be deallocated like any other; this keeps "every successful Allocate
 // has one Deallocate" true for callers such as PyTorch that ask for 0 bytes.
 //
-// Thread-safety: all methods are thread-safe (one spin lock). The cached
-// path of Allocate and Deallocate takes that lock once, makes no driver call
-// and no heap allocation; so do the owned calls (Owners, below), which the
-// session and the PyTorch plugin use. Slow paths make the allocator's
+// Thread-safety: all methods are thread-safe. The pool is sharded by
+// stream: the cached path of Allocate and Deallocate finds its stream's
+// shard without a lock and takes that shard's spin lock once, makes no
+// driver call and no heap allocation; so do the owned calls (Owners, below),
+// which the session and the PyTorch plugin use. Threads on different
+// streams share no lock and no written cache line on the cached path. Slow
+// paths take a global lock and every shard's; they make the allocator's
 // context current around their driver calls (ScopedContext) and restore the
-// caller's. Threads on different streams still share that one lock and its
-// cache lines (see docs/architecture.md, "Front end, pool, backing").
+// caller's. See docs/architecture.md, "Front end, pool, backing".
+//
+// Peaks: with one thread, whatever its streams, every peak is exact. With
+// several threads on different streams, a device-wide (total) or owner's
+// peak of allocation counts, allocated, active or requested bytes may miss
+// or add what a stream changed within a short window (at most 1023 of its
+// operations); it is never below the largest per-stream peak nor above the
+// sum of the per-stream peaks. Reserved bytes and segment counts (changed
+// only by slow paths), per-stream peaks and every current value are always
+// exact.
 //
 // Owners: RegisterOwner names who allocates (a ModelSession, a plugin's
 // model); an owned Allocate keeps the owner, a label and the time in the
 // block and charges the owner's live bytes against its max under the same
-// lock, and an owned Deallocate refuses blocks of another owner (or of
+// shard lock, and an owned Deallocate refuses blocks of another owner (or of
 // another size, FreeCheck) before it frees anything. No side table.
 //
 // Expandable segments (BackingMode::kExpandable, needs a device with VMM):
@@ -573,7 +584,8 @@ class CachingDeviceAllocator {
   std::size_t PhysicalBytes() const;
   // The live block that starts at `ptr`, or NOT_FOUND.
   absl::StatusOr<BlockInfo> Lookup(DevicePtr ptr) const;
-  // Sets every peak to its current value.
+  // Sets every peak to its current value: the device totals, each stream,
+  // each owner (OwnerStats::peak_live_bytes) and each tenant.
   void ResetPeakStats();
 
   // Checks the invariants (see device_allocator.cc); OK or INTERNAL naming

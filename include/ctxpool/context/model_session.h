@@ -26,8 +26,8 @@
 // protects `min_bytes` of the model's memory from reclaim by other models and
 // returns its free granules above `high_bytes`; GetTenantStats(tenant())
 // shows them. `max_bytes` is hard and is enforced on LIVE bytes, by the
-// allocator's owner record of the model (owner(), under the allocator's
-// lock, so it is exact under concurrency): an allocation that would take
+// allocator's owner record of the model (owner(); exact under concurrency,
+// whichever streams the threads use): an allocation that would take
 // the model's live bytes (each request rounded up to the allocator's 512 B
 // unit) above it fails with RESOURCE_EXHAUSTED naming the model; other
 // models are unaffected. It is not
@@ -47,12 +47,13 @@
 // from several threads. Allocate and Deallocate take no lock of the
 // session's: they are inline front ends over the device allocator's owned
 // calls (CachingDeviceAllocator::RegisterOwner), which keep the model's
-// label, time and charge in the block and check `max_bytes` under the
-// allocator's own lock — one critical section per call, no heap allocation,
-// no side table (docs/architecture.md, "Front end, pool, backing"). The
-// session's own mutex guards its event pool and, with Close, the hand-over
-// of its figures from the allocator's owner to the session; it is taken
-// before the allocator's lock, never while holding it.
+// label, time and charge in the block and check `max_bytes` under the lock
+// of the stream's shard of the allocator — one critical section per call,
+// no heap allocation, no side table, and threads on different leased
+// streams share no lock (docs/architecture.md, "Front end, pool,
+// backing"). The session's own mutex guards its event pool and, with Close,
+// the hand-over of its figures from the allocator's owner to the session;
+// it is taken before the allocator's locks, never while holding one.
 #ifndef CTXPOOL_CONTEXT_MODEL_SESSION_H_
 #define CTXPOOL_CONTEXT_MODEL_SESSION_H_
 

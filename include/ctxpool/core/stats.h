@@ -24,6 +24,8 @@
 #include <array>
 #include <cstdint>
 
+#include "absl/base/attributes.h"
+
 namespace ctxpool {
 
 // One PyTorch-shaped statistic.
@@ -53,7 +55,9 @@ using StatArray = std::array<Stat, 3>;
 constexpr int StatIndex(StatPool pool) { return static_cast<int>(pool); }
 
 // Adds `n` (may be negative) to the aggregate and to the small or large pool.
-inline void AddStat(StatArray& stats, bool small, std::int64_t n) {
+// (Always inlined: the allocators' cached paths make a dozen of these.)
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline void AddStat(StatArray& stats, bool small,
+                                                 std::int64_t n) {
   Stat& pool = stats[small ? 1 : 2];
   if (n >= 0) {
     stats[0].Add(n);

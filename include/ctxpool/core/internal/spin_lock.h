@@ -46,6 +46,16 @@ class ABSL_LOCKABLE SpinLock {
     locked_.store(false, std::memory_order_release);
   }
 
+  // Takes the lock if it is free, without waiting.
+  bool TryLock() ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true) {
+    return !locked_.load(std::memory_order_relaxed) &&
+           !locked_.exchange(true, std::memory_order_acquire);
+  }
+
+  // Tells -Wthread-safety that the caller holds the lock (taken by code the
+  // analysis cannot follow, e.g. a loop over many locks). Checks nothing.
+  void AssertHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK() {}
+
  private:
   static void Pause() {
 #if defined(__x86_64__) || defined(__i386__)
