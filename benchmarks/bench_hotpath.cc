@@ -44,8 +44,25 @@
 // plugin against the bare expandable allocator and CUB, and each path's
 // two-thread cost against its one-thread cost:
 //
-//   ctxpool_bench_hotpath --benchmark_repetitions=5
+//   ctxpool_bench_hotpath --benchmark_repetitions=7
+//                         --benchmark_enable_random_interleaving=true
 //                         --benchmark_report_aggregates_only=true
+//
+// Random interleaving spreads each row's repetitions over the whole run, so
+// a machine whose speed drifts (other tenants of a shared host) slows every
+// row alike and the ratios stay sound; without it a row's repetitions run
+// back to back and a ratio can compare a quiet minute with a busy one.
+//
+// CPU placement: the CPUs of a shared machine need not be equally fast (a
+// virtual CPU whose host core is busy runs all code slower; on the 2-core
+// machine this table was made on, one CPU ran a plain integer loop 1.7x
+// slower than the other). Left to the scheduler, a one-thread row would
+// measure which CPU it landed on. So every run covers the same CPUs
+// equally: thread i of a two-thread run is pinned to the i-th CPU this
+// process may use, and a one-thread run makes the first half of its timed
+// pairs on the first CPU and the second half on the second. The speed of
+// each CPU (the same integer loop) is printed before the tables.
+// --no_pin leaves placement to the scheduler.
 //
 // --mutex_deadlock_detection keeps absl::Mutex's deadlock detection at the
 // library default (on in Debian's Abseil build); it is off otherwise.
@@ -53,6 +70,8 @@
 // runs. The process exits non-zero when a run fails, a check fails, or the
 // simulated driver counted a misuse (this is the cub_peer_smoke ctest).
 #include <dlfcn.h>
+#include <pthread.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <array>
@@ -419,6 +438,58 @@ absl::StatusOr<std::unique_ptr<Allocator>> MakeAllocator(Impl impl) {
 #endif
 }
 
+// ---- CPU placement (see the file comment) ---------------------------------
+
+struct Placement {
+  bool pin = true;
+  cpu_set_t original{};   // the process's mask, restored after each run
+  std::vector<int> cpus;  // the first two CPUs of it
+};
+Placement& placement() {
+  static Placement p;
+  return p;
+}
+
+void InitPlacement(bool pin) {
+  Placement& p = placement();
+  p.pin = pin;
+  CPU_ZERO(&p.original);
+  if (sched_getaffinity(0, sizeof(p.original), &p.original) != 0) {
+    p.pin = false;
+    return;
+  }
+  for (int c = 0; c < CPU_SETSIZE && p.cpus.size() < 2; ++c) {
+    if (CPU_ISSET(c, &p.original)) p.cpus.push_back(c);
+  }
+  if (p.cpus.size() < 2) p.pin = false;  // one CPU: nothing to balance
+}
+
+// Pins the calling thread to `cpu`, or back to the process's mask (-1).
+void PinTo(int cpu) {
+  Placement& p = placement();
+  if (!p.pin) return;
+  cpu_set_t set = p.original;
+  if (cpu >= 0) {
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+  }
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
+// ns per step of a fixed integer loop on `cpu`: the CPU's speed as all code
+// sees it.
+double CpuSpeed(int cpu) {
+  PinTo(cpu);
+  volatile std::uint64_t x = 0;
+  constexpr std::uint64_t kSteps = 50'000'000;
+  const auto start = std::chrono::steady_clock::now();
+  for (std::uint64_t i = 0; i < kSteps; ++i) x = x + i;
+  const auto stop = std::chrono::steady_clock::now();
+  PinTo(-1);
+  return std::chrono::duration<double, std::nano>(stop - start).count() /
+         kSteps;
+}
+
 // ---- Setup, the timed loop, teardown ---------------------------------------
 
 std::int64_t ThreadCpuNanos() {
@@ -487,12 +558,21 @@ void RunHotpath(benchmark::State& state) {
     return;
   }
 
+  // Placement: thread i on CPU i; one thread moves to the second CPU halfway.
+  const std::vector<int>& cpus = placement().cpus;
+  const bool pinned = placement().pin;
+  if (pinned) PinTo(cpus[state.thread_index() % cpus.size()]);
+  const benchmark::IterationCount half =
+      pinned && state.threads() == 1 ? state.max_iterations / 2 : -1;
+  benchmark::IterationCount n = 0;
+
   // As a range-for: end() starts the timer after the threads' start barrier.
   auto it = state.begin();
   const auto last = state.end();
   const std::int64_t cpu_start = ThreadCpuNanos();
   const auto start = std::chrono::steady_clock::now();
   for (; it != last; ++it) {
+    if (ABSL_PREDICT_FALSE(n++ == half)) PinTo(cpus[1]);
     absl::StatusOr<DevicePtr> p = a.Allocate(sizes[i], stream);
     if (ABSL_PREDICT_FALSE(!p.ok())) {
       state.SkipWithError(p.status().ToString().c_str());
@@ -507,6 +587,7 @@ void RunHotpath(benchmark::State& state) {
   }
   const auto stop = std::chrono::steady_clock::now();
   const std::int64_t cpu_stop = ThreadCpuNanos();
+  PinTo(-1);
   const double seconds = std::chrono::duration<double>(stop - start).count();
   const double pairs = static_cast<double>(state.iterations());
   if (pairs > 0 && seconds > 0) {
@@ -556,7 +637,7 @@ constexpr int kMixCount = 6;
 
 // Trim(0) of an expandable allocator whose granule cache holds
 // state.range(0) GiB (unmapped by an earlier Trim): the cost of giving a
-// large cache back to the driver, under the allocator's lock. Its own
+// large cache back to the driver, under the allocator's locks. Its own
 // SimDriver (zero cost model), so the figure is the allocator's CPU time.
 void BM_TrimGranuleCache(benchmark::State& state) {
   const std::size_t bytes = static_cast<std::size_t>(state.range(0)) * kGiB;
@@ -886,6 +967,7 @@ int main(int argc, char** argv) {
   // Our own flags, removed before Google Benchmark parses the rest.
   bool smoke = false;
   bool keep_deadlock_detection = false;
+  bool pin = true;
   std::string plugin_path = CTXPOOL_TORCH_PLUGIN_PATH;
   int kept = 1;
   for (int i = 1; i < argc; ++i) {
@@ -893,6 +975,8 @@ int main(int argc, char** argv) {
       plugin_path = argv[i] + 9;
     } else if (std::strcmp(argv[i], "--smoke") == 0) {
       smoke = true;
+    } else if (std::strcmp(argv[i], "--no_pin") == 0) {
+      pin = false;
     } else if (std::strcmp(argv[i], "--mutex_deadlock_detection") == 0) {
       keep_deadlock_detection = true;
     } else {
@@ -961,12 +1045,27 @@ int main(int argc, char** argv) {
     }
   }
 
+  ctxpool::InitPlacement(pin);
+  std::string where;
+  {
+    const ctxpool::Placement& p = ctxpool::placement();
+    where = "scheduler (--no_pin or fewer than 2 CPUs)";
+    if (p.pin) {
+      where =
+          absl::StrFormat("CPUs %d and %d; integer loop %.3f and %.3f ns/step",
+                          p.cpus[0], p.cpus[1], ctxpool::CpuSpeed(p.cpus[0]),
+                          ctxpool::CpuSpeed(p.cpus[1]));
+    }
+    benchmark::AddCustomContext("placement", where);
+  }
   ctxpool::RegisterBenchmarks(with_cub);
   std::unique_ptr<benchmark::BenchmarkReporter> display(
       benchmark::CreateDefaultDisplayReporter());
   ctxpool::RatioReporter reporter(display.get());
   benchmark::RunSpecifiedBenchmarks(&reporter);
   benchmark::Shutdown();
+  std::fprintf(reporter.console() ? stdout : stderr, "\nPlacement: %s\n",
+               where.c_str());
   ctxpool::PrintTable(reporter, with_cub, reporter.console() ? stdout : stderr);
   ctxpool::PrintPathsTable(reporter, with_cub,
                            reporter.console() ? stdout : stderr);
