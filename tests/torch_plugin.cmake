@@ -1,24 +1,27 @@
 # Wiring for the PyTorch plugin's tests (plugins/torch):
-#   * torch_plugin_test (tests/torch_plugin_test.cc) dlopens the built
-#     libctxpool_torch.so, whose path it gets as a compile definition;
+#   * torch_plugin_test (tests/torch_plugin_test.cc) and
+#     torch_plugin_attack_test (the C ABI's fast paths attacked) dlopen the
+#     built libctxpool_torch.so, whose path they get as a compile definition;
 #   * torch_plugin_python runs the Python wrapper's unittest suite
 #     (plugins/torch/tests) on the simulated driver; it needs no torch;
 #   * torch_pip_install (label slow) pip-installs plugins/torch/python into
 #     a fresh venv and imports it from outside the checkout.
-if(TARGET torch_plugin_test)
-  target_link_libraries(torch_plugin_test PRIVATE ${CMAKE_DL_LIBS})
+foreach(_t torch_plugin_test torch_plugin_attack_test)
+  if(NOT TARGET ${_t})
+    continue()
+  endif()
+  target_link_libraries(${_t} PRIVATE ${CMAKE_DL_LIBS})
   if(TARGET ctxpool_torch)
-    add_dependencies(torch_plugin_test ctxpool_torch)
-    target_compile_definitions(torch_plugin_test PRIVATE
+    add_dependencies(${_t} ctxpool_torch)
+    target_compile_definitions(${_t} PRIVATE
       CTXPOOL_TORCH_PLUGIN_PATH="$<TARGET_FILE:ctxpool_torch>")
   else()
     # CTXPOOL_BUILD_TORCH_PLUGIN=OFF: the test skips.
-    target_compile_definitions(torch_plugin_test PRIVATE
-      CTXPOOL_TORCH_PLUGIN_PATH="")
+    target_compile_definitions(${_t} PRIVATE CTXPOOL_TORCH_PLUGIN_PATH="")
   endif()
-  set_property(TEST torch_plugin_test APPEND PROPERTY
+  set_property(TEST ${_t} APPEND PROPERTY
     ENVIRONMENT "CTXPOOL_DRIVER=sim:2xa10-24gb")
-endif()
+endforeach()
 
 # A sanitizer-instrumented .so cannot be loaded into an uninstrumented
 # python3; the C++ test above covers the library in those builds.

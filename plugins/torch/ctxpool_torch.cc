@@ -170,16 +170,36 @@ class PluginState {
     }
   }
 
-  // The hot path: the thread's cached session, one owned Allocate. Null
-  // with *error set on failure.
+  // The thread's cached session of its model on `device`, or null (none
+  // yet, another state's, or a device beyond the cache). No lock.
+  ABSL_ATTRIBUTE_ALWAYS_INLINE ModelSession* CachedSession(int device) const {
+    const SessionCache& cache = tls_sessions;
+    if (ABSL_PREDICT_TRUE(cache.generation == generation_ &&
+                          static_cast<unsigned>(device) < kCachedDevices)) {
+      return cache.by_device[device];
+    }
+    return nullptr;
+  }
+
+  // True while the trace recorder records (every call then takes the
+  // general path, which records it).
+  bool tracing() const { return recorder_.enabled(); }
+
+  // The opened DeviceContext of `device`, or null; no lock.
+  ABSL_ATTRIBUTE_ALWAYS_INLINE DeviceContext* OpenDevice(int device) const {
+    if (ABSL_PREDICT_FALSE(static_cast<std::size_t>(device) >=
+                           device_count())) {
+      return nullptr;  // negative devices wrap to huge
+    }
+    return open_[device].load(std::memory_order_acquire);
+  }
+
+  // The general path of an allocation (the hot one is MallocFast below):
+  // the thread's session (opened on first use), one owned Allocate, the
+  // trace. Null with *error set on failure.
   void* Malloc(std::size_t size, int device, StreamHandle stream,
                absl::Status* error) ABSL_LOCKS_EXCLUDED(mu_) {
-    ModelSession* session = nullptr;
-    SessionCache& cache = tls_sessions;
-    if (ABSL_PREDICT_TRUE(cache.generation == generation_ && device >= 0 &&
-                          device < kCachedDevices)) {
-      session = cache.by_device[device];
-    }
+    ModelSession* session = CachedSession(device);
     if (ABSL_PREDICT_FALSE(session == nullptr)) {
       absl::StatusOr<ModelSession*> found = CacheSession(device);
       if (!found.ok()) {
@@ -200,7 +220,8 @@ class PluginState {
     return p->get();
   }
 
-  // The hot path: one owned Deallocate that checks the size.
+  // The general path of a free (the hot one is ctxpool_free's first
+  // branch): one owned Deallocate that checks the size, and the trace.
   absl::Status Free(void* ptr, std::size_t size, int device,
                     StreamHandle stream) ABSL_LOCKS_EXCLUDED(mu_) {
     const DevicePtr p = DevicePtr::From(ptr);
@@ -211,20 +232,37 @@ class PluginState {
       absl::StatusOr<BlockInfo> b = dc->device_allocator().Lookup(p);
       if (b.ok()) model_id = ModelIdOfOwner(device, b->owner);
     }
-    absl::Status s =
-        dc->device_allocator().Deallocate(p, FreeCheck{.owner = kAnyOwner,
-                                                       .check_size = true,
-                                                       .requested_bytes = size,
-                                                       .owned_only = true});
-    if (ABSL_PREDICT_FALSE(!s.ok())) {
-      if (!absl::IsInvalidArgument(s)) return s;
-      return FreeFailed(ptr, size, device);
-    }
+    absl::Status s = dc->device_allocator().Deallocate(p, FreeOf(size));
+    if (ABSL_PREDICT_FALSE(!s.ok())) return FreeRefused(ptr, size, device, s);
     if (ABSL_PREDICT_FALSE(recorder_.enabled())) {
       recorder_.Record(TraceOp::kFree, p.address(), size, stream.value(),
                        model_id);
     }
     return absl::OkStatus();
+  }
+
+  // What a free of `size` bytes checks: a live block of some session (any
+  // thread may free it), allocated with that size.
+  static FreeCheck FreeOf(std::size_t size) {
+    return FreeCheck{.owner = kAnyOwner,
+                     .check_size = true,
+                     .requested_bytes = size,
+                     .owned_only = true};
+  }
+
+  // The failure ends of the hot paths, out of line so that those stay
+  // small: an owned Allocate that failed; a Deallocate that refused.
+  ABSL_ATTRIBUTE_NOINLINE absl::Status AllocateFailed(
+      ModelSession& session, std::size_t size, StreamHandle stream,
+      const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_) {
+    return MallocFailed(session, size, stream, status);
+  }
+  ABSL_ATTRIBUTE_NOINLINE absl::Status FreeRefused(void* ptr, std::size_t size,
+                                                   int device,
+                                                   const absl::Status& status)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    if (!absl::IsInvalidArgument(status)) return status;
+    return FreeFailed(ptr, size, device);
   }
 
   absl::Status RecordStream(void* ptr, StreamHandle stream)
@@ -349,13 +387,6 @@ class PluginState {
     for (int d = 0; d < count; ++d) open_[d].store(nullptr);
   }
 
-  // The opened DeviceContext of `device`, or null; no lock.
-  DeviceContext* OpenDevice(int device) const {
-    if (device < 0 || static_cast<std::size_t>(device) >= device_count()) {
-      return nullptr;
-    }
-    return open_[device].load(std::memory_order_acquire);
-  }
   std::size_t device_count() const { return devices_size_; }
 
   // The miss of Malloc's cache: the session of the thread's model on
@@ -706,18 +737,100 @@ const char* Result(std::string text) {
 }
 
 // Null with *error set on failure.
-inline void* Malloc(size_t size, int device, cudaStream_t stream,
-                    absl::Status* error) {
-  PluginState* s = ExistingState();
-  if (ABSL_PREDICT_FALSE(s == nullptr)) {
-    absl::StatusOr<PluginState*> created = GetState();
-    if (!created.ok()) {
-      *error = created.status();
-      return nullptr;
-    }
-    s = *created;
+// The general path of an allocation: the state made on first use, then
+// PluginState::Malloc. Null with *error set on failure.
+ABSL_ATTRIBUTE_NOINLINE void* Malloc(size_t size, int device,
+                                     cudaStream_t stream, absl::Status* error) {
+  absl::StatusOr<PluginState*> s = GetState();
+  if (!s.ok()) {
+    *error = s.status();
+    return nullptr;
   }
-  return s->Malloc(size, device, StreamHandle::From(stream), error);
+  return (*s)->Malloc(size, device, StreamHandle::From(stream), error);
+}
+
+// The hot paths are inline and small: the state, the thread's cached
+// session and one owned Allocate (or the open device and one Deallocate),
+// with no absl::Status of their own on success. Anything else (first use,
+// a session not cached yet, the trace recorder on, a failure) goes out of
+// line, to functions that also set the last error (and throw, for
+// ctxpool_malloc).
+[[noreturn]] void ThrowFor(const absl::Status& status);
+
+template <bool kThrow>
+ABSL_ATTRIBUTE_NOINLINE void* MallocError(const absl::Status& error) {
+  SetError(error);
+  if constexpr (kThrow) ThrowFor(error);
+  return nullptr;
+}
+
+template <bool kThrow>
+ABSL_ATTRIBUTE_NOINLINE void* AllocateFailed(PluginState& s,
+                                             ModelSession& session,
+                                             std::size_t size,
+                                             StreamHandle stream,
+                                             const absl::Status& status) {
+  return MallocError<kThrow>(s.AllocateFailed(session, size, stream, status));
+}
+
+template <bool kThrow>
+ABSL_ATTRIBUTE_NOINLINE void* MallocSlow(size_t size, int device,
+                                         cudaStream_t stream) {
+  absl::Status error;
+  void* p = Malloc(size, device, stream, &error);
+  if (p != nullptr) return p;
+  return MallocError<kThrow>(error);
+}
+
+template <bool kThrow>
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline void* MallocEntry(size_t size, int device,
+                                                      cudaStream_t stream) {
+  if (PluginState* s = ExistingState(); ABSL_PREDICT_TRUE(s != nullptr)) {
+    ModelSession* session = s->CachedSession(device);
+    if (ABSL_PREDICT_TRUE(session != nullptr) &&
+        ABSL_PREDICT_TRUE(!s->tracing())) {
+      const StreamHandle st = StreamHandle::From(stream);
+      absl::StatusOr<DevicePtr> p = session->Allocate(size, st);
+      if (ABSL_PREDICT_TRUE(p.ok())) return p->get();
+      return AllocateFailed<kThrow>(*s, *session, size, st, p.status());
+    }
+  }
+  return MallocSlow<kThrow>(size, device, stream);
+}
+
+// A refused free: the error named, the last error set.
+ABSL_ATTRIBUTE_NOINLINE void FreeRefused(PluginState& s, void* ptr, size_t size,
+                                         int device,
+                                         const absl::Status& status) {
+  SetError(s.FreeRefused(ptr, size, device, status));
+}
+
+// The general path of a free: the state made on first use, then
+// PluginState::Free.
+ABSL_ATTRIBUTE_NOINLINE void FreeSlow(void* ptr, size_t size, int device,
+                                      cudaStream_t stream) {
+  absl::StatusOr<PluginState*> s = GetState();
+  if (!s.ok()) {
+    SetError(s.status());
+    return;
+  }
+  absl::Status st = (*s)->Free(ptr, size, device, StreamHandle::From(stream));
+  if (!st.ok()) SetError(st);
+}
+
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline void FreeEntry(void* ptr, size_t size,
+                                                   int device,
+                                                   cudaStream_t stream) {
+  if (PluginState* s = ExistingState(); ABSL_PREDICT_TRUE(s != nullptr)) {
+    DeviceContext* dc = s->OpenDevice(device);
+    if (ABSL_PREDICT_TRUE(dc != nullptr) && ABSL_PREDICT_TRUE(!s->tracing())) {
+      absl::Status st = dc->device_allocator().Deallocate(
+          DevicePtr::From(ptr), PluginState::FreeOf(size));
+      if (ABSL_PREDICT_TRUE(st.ok())) return;
+      return FreeRefused(*s, ptr, size, device, st);
+    }
+  }
+  FreeSlow(ptr, size, device, stream);
 }
 
 // What ctxpool_malloc throws when memory ran out: PyTorch's own allocator
@@ -750,33 +863,16 @@ using namespace ctxpool::torch_plugin;  // NOLINT: the C ABI below
 extern "C" {
 
 void* ctxpool_try_malloc(size_t size, int device, cudaStream_t stream) {
-  absl::Status error;
-  void* p = Malloc(size, device, stream, &error);
-  if (ABSL_PREDICT_FALSE(p == nullptr)) SetError(error);
-  return p;
+  return MallocEntry</*kThrow=*/false>(size, device, stream);
 }
 
 void* ctxpool_malloc(size_t size, int device, cudaStream_t stream) {
-  absl::Status error;
-  void* p = Malloc(size, device, stream, &error);
-  if (ABSL_PREDICT_TRUE(p != nullptr)) return p;
-  SetError(error);
-  ThrowFor(error);
+  return MallocEntry</*kThrow=*/true>(size, device, stream);
 }
 
 void ctxpool_free(void* ptr, size_t size, int device, cudaStream_t stream) {
   if (ptr == nullptr) return;
-  PluginState* s = ExistingState();
-  if (ABSL_PREDICT_FALSE(s == nullptr)) {
-    absl::StatusOr<PluginState*> created = GetState();
-    if (!created.ok()) {
-      SetError(created.status());
-      return;
-    }
-    s = *created;
-  }
-  absl::Status st = s->Free(ptr, size, device, StreamHandle::From(stream));
-  if (ABSL_PREDICT_FALSE(!st.ok())) SetError(st);
+  FreeEntry(ptr, size, device, stream);
 }
 
 int64_t ctxpool_empty_cache(void) {

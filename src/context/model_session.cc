@@ -69,7 +69,8 @@ ModelSession::ModelSession(DeviceContext* device, std::string name,
       streams_(std::move(streams)),
       budget_(budget),
       tenant_(tenant),
-      owner_(owner) {}
+      owner_(owner),
+      owned_free_{.owner = owner} {}
 
 ModelSession::~ModelSession() {
   if (fork_guard_.InForkedChild()) return;  // no driver call: leak
@@ -95,6 +96,13 @@ absl::Status ModelSession::AllocateFailed(const absl::Status& s) const {
   CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("ModelSession::Allocate"));
   CTXPOOL_RETURN_IF_ERROR(CheckUsable("ModelSession::Allocate"));
   return ForModel(name_, s);
+}
+
+void ModelSession::NameAllocateError(absl::StatusOr<DevicePtr>& p) const {
+  p = AllocateFailed(p.status());
+}
+void ModelSession::NameDeallocateError(absl::Status& s) const {
+  s = DeallocateFailed(s);
 }
 
 absl::Status ModelSession::DeallocateFailed(const absl::Status& s) const {

@@ -267,6 +267,10 @@ class ModelSession {
   // the model's name (or the closed session's).
   absl::Status AllocateFailed(const absl::Status& s) const;
   absl::Status DeallocateFailed(const absl::Status& s) const;
+  // The same, rewriting the result in place (out of line, so that the
+  // inline front end stays a call and a test).
+  void NameAllocateError(absl::StatusOr<DevicePtr>& p) const;
+  void NameDeallocateError(absl::Status& s) const;
   // Close's body; `from_destructor` counts the session as not closed.
   absl::Status CloseImpl(bool from_destructor) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -277,6 +281,7 @@ class ModelSession {
   const Budget budget_;
   const TenantId tenant_;
   const OwnerId owner_;
+  const FreeCheck owned_free_;  // what Deallocate(ptr) checks: the owner
   const ForkGuard fork_guard_;
 
   // Set once each, by Close (or by OpenSession for a session that lost a
@@ -300,13 +305,13 @@ inline absl::StatusOr<DevicePtr> ModelSession::Allocate(std::size_t bytes,
                                                         const char* label) {
   absl::StatusOr<DevicePtr> p =
       allocator_.Allocate(bytes, stream, owner_, label);
-  if (ABSL_PREDICT_FALSE(!p.ok())) p = AllocateFailed(p.status());
+  if (ABSL_PREDICT_FALSE(!p.ok())) NameAllocateError(p);
   return p;  // one object, built in place: no copy on the hot path
 }
 
 inline absl::Status ModelSession::Deallocate(DevicePtr ptr) noexcept {
-  absl::Status s = allocator_.Deallocate(ptr, FreeCheck{.owner = owner_});
-  if (ABSL_PREDICT_FALSE(!s.ok())) s = DeallocateFailed(s);
+  absl::Status s = allocator_.Deallocate(ptr, owned_free_);
+  if (ABSL_PREDICT_FALSE(!s.ok())) NameDeallocateError(s);
   return s;
 }
 
@@ -319,7 +324,7 @@ inline absl::Status ModelSession::Deallocate(DevicePtr ptr,
                                            .requested_bytes = requested_bytes,
                                            .order_after_stream = true,
                                            .stream = stream});
-  if (ABSL_PREDICT_FALSE(!s.ok())) s = DeallocateFailed(s);
+  if (ABSL_PREDICT_FALSE(!s.ok())) NameDeallocateError(s);
   return s;
 }
 
