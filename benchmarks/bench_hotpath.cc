@@ -64,6 +64,14 @@
 // each CPU (the same integer loop) is printed before the tables.
 // --no_pin leaves placement to the scheduler.
 //
+// Paired rounds: after the runs, the paths' ratios are measured once more
+// side by side (RunPairedRounds): each round times 20,000 pairs on each path
+// (bare expandable, session, plugin) with one thread on each CPU and then
+// two threads at once, and takes the ratios within the round, so a drift of
+// the machine's speed cancels; the table gives medians over rounds. These
+// are the figures to quote for the ratios. --paired_rounds=N (default 40;
+// 0: none).
+//
 // --mutex_deadlock_detection keeps absl::Mutex's deadlock detection at the
 // library default (on in Debian's Abseil build); it is off otherwise.
 // --smoke additionally checks both allocators for correctness before the
@@ -87,6 +95,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -541,16 +550,19 @@ void TeardownRun(const benchmark::State&) {
   current.reset();
 }
 
-template <Impl kImpl, int kMix, bool kShared>
-void RunHotpath(benchmark::State& state) {
+// The timed loop, one function for every row: each row's loop runs the same
+// machine code at the same address, so rows differ only in the path they
+// call.
+ABSL_ATTRIBUTE_NOINLINE void RunPairs(benchmark::State& state,
+                                      const std::vector<std::size_t>& sizes,
+                                      bool shared) {
   if (!current_status.ok() || current == nullptr) {
     state.SkipWithError(current_status.ToString().c_str());
     return;
   }
   Allocator& a = *current;
-  const std::vector<std::size_t>& sizes = Mixes()[kMix].sizes;
   const std::size_t mask = sizes.size() - 1;
-  const StreamHandle stream = a.stream(kShared ? 0 : state.thread_index());
+  const StreamHandle stream = a.stream(shared ? 0 : state.thread_index());
   // Threads start at different points of the mixed array.
   std::size_t i = static_cast<std::size_t>(state.thread_index()) * 389 & mask;
   if (absl::Status s = env->sim->CtxSetCurrent(env->ctx); !s.ok()) {
@@ -604,6 +616,11 @@ void RunHotpath(benchmark::State& state) {
     state.counters["wall_ns_per_pair"] =
         Counter(seconds * 1e9 / pairs, Counter::kAvgThreads);
   }
+}
+
+template <Impl kImpl, int kMix, bool kShared>
+void RunHotpath(benchmark::State& state) {
+  RunPairs(state, Mixes()[kMix].sizes, kShared);
 }
 
 template <Impl kImpl, int kMix>
@@ -857,10 +874,11 @@ void PrintTable(const RatioReporter& r, bool with_cub, std::FILE* out) {
 // The paths users call: session and plugin against the bare expandable
 // allocator (the backing both use) and CUB, and each path's cost per pair
 // with two threads (own streams; one shared stream) against one thread.
+constexpr double kSessionTarget = 1.15;
+constexpr double kPluginTarget = 1.3;
+constexpr double kScalingTarget = 1.3;
+
 void PrintPathsTable(const RatioReporter& r, bool with_cub, std::FILE* out) {
-  constexpr double kSessionTarget = 1.15;
-  constexpr double kPluginTarget = 1.3;
-  constexpr double kScalingTarget = 1.3;
   auto fmt = [](std::optional<double> v, const char* unit = "") {
     return v.has_value() ? absl::StrFormat("%.1f%s", *v, unit)
                          : std::string("-");
@@ -959,6 +977,173 @@ void PrintPathsTable(const RatioReporter& r, bool with_cub, std::FILE* out) {
   for (const std::string& m : misses) std::fprintf(out, "  %s\n", m.c_str());
 }
 
+// ---- Paired rounds: the paths' ratios measured side by side ---------------
+//
+// The tables above compare medians of runs made at different moments; on a
+// machine whose speed drifts (see the file comment) a ratio of two such
+// medians carries the drift. Here every round runs `pairs` cached pairs on
+// each path in turn, one thread on the first CPU, one on the second, then
+// two threads at once (one per CPU, own streams), each timed in thread CPU
+// time; ratios are taken within the round, where the machine's speed is one,
+// and the table gives the median over rounds. The order of the paths
+// rotates between rounds.
+
+// Thread CPU ns per pair of `pairs` pairs on `stream`, or -1 on an error.
+double TimePairs(Allocator& a, const std::vector<std::size_t>& sizes,
+                 StreamHandle stream, std::size_t start, int pairs) {
+  const std::size_t mask = sizes.size() - 1;
+  std::size_t i = start & mask;
+  const std::int64_t t0 = ThreadCpuNanos();
+  for (int k = 0; k < pairs; ++k) {
+    absl::StatusOr<DevicePtr> p = a.Allocate(sizes[i], stream);
+    if (ABSL_PREDICT_FALSE(!p.ok())) return -1;
+    if (ABSL_PREDICT_FALSE(!a.Deallocate(*p, sizes[i]).ok())) return -1;
+    i = (i + 1) & mask;
+  }
+  return static_cast<double>(ThreadCpuNanos() - t0) / pairs;
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+// Runs the paired rounds over every mix and prints their table; returns the
+// number of failures (an allocator that could not be made, a failed pair).
+int RunPairedRounds(int rounds, std::FILE* out) {
+  if (rounds <= 0) return 0;
+  std::vector<Impl> impls = {Impl::kCtxpoolVmm, Impl::kSession};
+  if (plugin != nullptr) impls.push_back(Impl::kPlugin);
+  const std::size_t n = impls.size();
+  constexpr int kPairs = 20000;
+  const std::vector<int>& cpus = placement().cpus;
+  const bool pinned = placement().pin;
+  std::string body;
+  std::vector<std::string> misses;
+  int failures = 0;
+  for (const Mix& mix : Mixes()) {
+    // One allocator per path, warmed on both streams. The plugin has one
+    // process-wide state, so it is made last and kept to this mix.
+    std::vector<std::unique_ptr<Allocator>> allocs;
+    for (Impl impl : impls) {
+      absl::StatusOr<std::unique_ptr<Allocator>> a = MakeAllocator(impl);
+      absl::Status s = a.ok() ? Warm(**a, mix, 2) : a.status();
+      if (!s.ok()) {
+        std::fprintf(stderr, "paired rounds, %s: %s\n",
+                     kImplNames[static_cast<int>(impl)], s.ToString().c_str());
+        return failures + 1;
+      }
+      allocs.push_back(*std::move(a));
+    }
+    // Per round and path: one thread (mean of the two CPUs) and two threads
+    // (mean of the two threads).
+    std::vector<std::vector<double>> one(n), two(n), vs_bare(n), scaling(n);
+    bool failed = false;
+    for (int r = 0; r < rounds && !failed; ++r) {
+      std::vector<double> t1(n), t2(n);
+      for (std::size_t k = 0; k < n; ++k) {
+        const std::size_t p = (k + static_cast<std::size_t>(r)) % n;
+        Allocator& a = *allocs[p];
+        double sum1 = 0;
+        for (int c = 0; c < 2; ++c) {
+          if (pinned) PinTo(cpus[c]);
+          const double ns = TimePairs(a, mix.sizes, a.stream(c), 0, kPairs);
+          failed |= ns < 0;
+          sum1 += ns;
+        }
+        if (pinned) PinTo(-1);
+        std::array<double, 2> ns2{};
+        std::atomic<int> ready{0};
+        auto run = [&](int t) {
+          if (pinned) PinTo(cpus[t]);
+          ready.fetch_add(1);
+          while (ready.load() < 2) {
+          }
+          ns2[t] = TimePairs(a, mix.sizes, a.stream(t),
+                             static_cast<std::size_t>(t) * 389, kPairs);
+        };
+        std::thread other(run, 1);
+        run(0);
+        other.join();
+        if (pinned) PinTo(-1);
+        failed |= ns2[0] < 0 || ns2[1] < 0;
+        t1[p] = sum1 / 2;
+        t2[p] = (ns2[0] + ns2[1]) / 2;
+      }
+      for (std::size_t p = 0; p < n; ++p) {
+        one[p].push_back(t1[p]);
+        two[p].push_back(t2[p]);
+        vs_bare[p].push_back(t1[p] / t1[0]);
+        scaling[p].push_back(t2[p] / t1[p]);
+      }
+    }
+    for (auto& a : allocs) {
+      if (absl::Status s = a->CheckIdle(); !s.ok()) {
+        std::fprintf(stderr, "paired rounds: %s\n", s.ToString().c_str());
+        failed = true;
+      }
+    }
+    allocs.clear();
+    if (failed) {
+      std::fprintf(stderr, "paired rounds, %s: a pair failed\n", mix.name);
+      ++failures;
+      continue;
+    }
+    std::string row = absl::StrFormat("%-17s", mix.name);
+    for (std::size_t p = 0; p < 3; ++p) {
+      absl::StrAppendFormat(
+          &row, " %9s",
+          p < n ? absl::StrFormat("%.1f", Median(one[p])) : std::string("-"));
+    }
+    for (std::size_t p = 1; p < 3; ++p) {
+      absl::StrAppendFormat(&row, " %12s",
+                            p < n ? absl::StrFormat("%.2fx", Median(vs_bare[p]))
+                                  : std::string("-"));
+    }
+    for (std::size_t p = 0; p < 3; ++p) {
+      absl::StrAppendFormat(&row, " %9s",
+                            p < n ? absl::StrFormat("%.2fx", Median(scaling[p]))
+                                  : std::string("-"));
+    }
+    body += row + "\n";
+    const double rs = Median(vs_bare[1]);
+    if (rs > kSessionTarget) {
+      misses.push_back(absl::StrFormat("%s: session %.2fx bare > %.2fx",
+                                       mix.name, rs, kSessionTarget));
+    }
+    if (n > 2 && Median(vs_bare[2]) > kPluginTarget) {
+      misses.push_back(absl::StrFormat("%s: plugin %.2fx bare > %.2fx",
+                                       mix.name, Median(vs_bare[2]),
+                                       kPluginTarget));
+    }
+    for (std::size_t p = 0; p < n; ++p) {
+      if (Median(scaling[p]) > kScalingTarget) {
+        misses.push_back(
+            absl::StrFormat("%s: %s 2 threads %.2fx 1 thread > %.2fx", mix.name,
+                            kImplNames[static_cast<int>(impls[p])],
+                            Median(scaling[p]), kScalingTarget));
+      }
+    }
+  }
+  std::fprintf(
+      out,
+      "\nPaired rounds: %d rounds of %d pairs per path, one thread on each "
+      "CPU then two threads at once (own streams); ratios taken within each "
+      "round, medians over rounds; thread CPU ns per pair\n%-17s %9s %9s %9s "
+      "%12s %12s %9s %9s %9s\n%s",
+      rounds, kPairs, "mix", "bare-vmm", "session", "plugin", "session/bare",
+      "plugin/bare", "bare 2t", "sess 2t", "plug 2t", body.c_str());
+  std::fprintf(out,
+               "Targets (paired): session <= %.2fx and plugin <= %.2fx the "
+               "bare pair; 2 threads <= %.2fx 1 thread: %s\n",
+               kSessionTarget, kPluginTarget, kScalingTarget,
+               misses.empty() ? "met" : "NOT met");
+  for (const std::string& m : misses) std::fprintf(out, "  %s\n", m.c_str());
+  return failures;
+}
+
 }  // namespace
 }  // namespace ctxpool
 
@@ -968,6 +1153,7 @@ int main(int argc, char** argv) {
   bool smoke = false;
   bool keep_deadlock_detection = false;
   bool pin = true;
+  int paired_rounds = 40;
   std::string plugin_path = CTXPOOL_TORCH_PLUGIN_PATH;
   int kept = 1;
   for (int i = 1; i < argc; ++i) {
@@ -975,6 +1161,8 @@ int main(int argc, char** argv) {
       plugin_path = argv[i] + 9;
     } else if (std::strcmp(argv[i], "--smoke") == 0) {
       smoke = true;
+    } else if (std::strncmp(argv[i], "--paired_rounds=", 16) == 0) {
+      paired_rounds = std::atoi(argv[i] + 16);
     } else if (std::strcmp(argv[i], "--no_pin") == 0) {
       pin = false;
     } else if (std::strcmp(argv[i], "--mutex_deadlock_detection") == 0) {
@@ -1070,6 +1258,8 @@ int main(int argc, char** argv) {
   ctxpool::PrintPathsTable(reporter, with_cub,
                            reporter.console() ? stdout : stderr);
   failures += reporter.errors();
+  failures += ctxpool::RunPairedRounds(paired_rounds,
+                                       reporter.console() ? stdout : stderr);
 
   const std::uint64_t misuse = env->sim->misuse_count();
   if (misuse != 0) {

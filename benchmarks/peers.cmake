@@ -56,7 +56,7 @@ if(TARGET ctxpool_bench_hotpath)
     add_test(NAME ${_ctxpool_smoke_name}
       COMMAND ctxpool_bench_hotpath --smoke
               "--benchmark_filter=BM_Hotpath/.*/mix:(4KiB|mixed_512B_8MiB)/"
-              --benchmark_min_time=0.01)
+              --benchmark_min_time=0.01 --paired_rounds=2)
     set_tests_properties(${_ctxpool_smoke_name} PROPERTIES
       LABELS unit TIMEOUT 300)
   endif()
