@@ -39,36 +39,14 @@
 #include "ctxpool/context/model_session.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "gtest/gtest.h"
-
-typedef struct CUstream_st* cudaStream_t;
-
-#ifndef CTXPOOL_TORCH_PLUGIN_PATH
-#define CTXPOOL_TORCH_PLUGIN_PATH ""  // the plugin is not built: skip
-#endif
+#include "torch_plugin_api.h"
 
 namespace {
 
 constexpr std::size_t kGiB = std::size_t{1} << 30;
 
-struct Api {
-  void* (*malloc)(size_t, int, cudaStream_t) = nullptr;
-  void* (*try_malloc)(size_t, int, cudaStream_t) = nullptr;
-  void (*free)(void*, size_t, int, cudaStream_t) = nullptr;
-  const char* (*memory_stats)(int) = nullptr;
-  int (*record_stream)(void*, cudaStream_t) = nullptr;
-  int (*set_model)(const char*) = nullptr;
-  const char* (*get_model)() = nullptr;
-  int (*set_model_budget)(const char*, size_t) = nullptr;
-  int (*write_trace)(const char*) = nullptr;
-  const char* (*last_error)() = nullptr;
-  const char* (*info)() = nullptr;
-  int (*shutdown)(int) = nullptr;
-};
-
-template <typename F>
-void Resolve(void* handle, const char* name, F& fn) {
-  fn = reinterpret_cast<F>(dlsym(handle, name));
-}
+using torch_plugin_test::Api;
+using torch_plugin_test::JsonInt;
 
 std::string SelfExe() {
   char buf[PATH_MAX];
@@ -79,13 +57,6 @@ std::string SelfExe() {
 }
 
 std::string PluginPath() { return CTXPOOL_TORCH_PLUGIN_PATH; }
-
-int64_t JsonInt(const std::string& json, const std::string& key) {
-  const std::string needle = "\"" + key + "\":";
-  const std::size_t at = json.find(needle);
-  if (at == std::string::npos) return INT64_MIN;
-  return std::strtoll(json.c_str() + at + needle.size(), nullptr, 10);
-}
 
 std::string ModelJson(const std::string& stats, const std::string& model) {
   const std::size_t at = stats.find("\"" + model + "\":{");
@@ -104,18 +75,7 @@ bool LoadPlugin() {
   const std::string path = PluginPath();
   g_handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (g_handle == nullptr) return false;
-  Resolve(g_handle, "ctxpool_malloc", g_api.malloc);
-  Resolve(g_handle, "ctxpool_try_malloc", g_api.try_malloc);
-  Resolve(g_handle, "ctxpool_free", g_api.free);
-  Resolve(g_handle, "ctxpool_memory_stats", g_api.memory_stats);
-  Resolve(g_handle, "ctxpool_record_stream", g_api.record_stream);
-  Resolve(g_handle, "ctxpool_set_model", g_api.set_model);
-  Resolve(g_handle, "ctxpool_get_model", g_api.get_model);
-  Resolve(g_handle, "ctxpool_set_model_budget", g_api.set_model_budget);
-  Resolve(g_handle, "ctxpool_write_trace", g_api.write_trace);
-  Resolve(g_handle, "ctxpool_last_error", g_api.last_error);
-  Resolve(g_handle, "ctxpool_info", g_api.info);
-  Resolve(g_handle, "ctxpool_shutdown", g_api.shutdown);
+  torch_plugin_test::ResolveApi(g_handle, &g_api);
   return true;
 }
 

@@ -25,51 +25,14 @@
 
 #include "gtest/gtest.h"
 #include "heap_counter.h"
-
-#ifndef CTXPOOL_TORCH_PLUGIN_PATH
-#define CTXPOOL_TORCH_PLUGIN_PATH ""  // the plugin is not built: skip
-#endif
-
-// The plugin's stream type, declared exactly as plugins/torch/ctxpool_torch.h
-// does (at global scope): a function pointer type that differs from the
-// exported function's is undefined behaviour (UBSan's -fsanitize=function).
-typedef struct CUstream_st* cudaStream_t;
+#include "torch_plugin_api.h"
 
 namespace {
 
 constexpr std::size_t kGiB = std::size_t{1} << 30;
 
-// The plugin's C functions, resolved with dlsym.
-struct Api {
-  void* (*malloc)(size_t, int, cudaStream_t) = nullptr;
-  void* (*try_malloc)(size_t, int, cudaStream_t) = nullptr;
-  void (*free)(void*, size_t, int, cudaStream_t) = nullptr;
-  int64_t (*empty_cache)() = nullptr;
-  const char* (*memory_stats)(int) = nullptr;
-  int (*record_stream)(void*, cudaStream_t) = nullptr;
-  int (*set_model)(const char*) = nullptr;
-  const char* (*get_model)() = nullptr;
-  int (*set_model_budget)(const char*, size_t) = nullptr;
-  cudaStream_t (*model_stream)(int, int) = nullptr;
-  int (*snapshot)(const char*) = nullptr;
-  int (*write_trace)(const char*) = nullptr;
-  const char* (*last_error)() = nullptr;
-  const char* (*info)() = nullptr;
-  int (*shutdown)(int) = nullptr;
-};
-
-template <typename F>
-void Resolve(void* handle, const char* name, F& fn) {
-  fn = reinterpret_cast<F>(dlsym(handle, name));
-}
-
-// Reads the integer after "key": in a flat JSON object; INT64_MIN if absent.
-int64_t JsonInt(const std::string& json, const std::string& key) {
-  const std::string needle = "\"" + key + "\":";
-  const std::size_t at = json.find(needle);
-  if (at == std::string::npos) return INT64_MIN;
-  return std::strtoll(json.c_str() + at + needle.size(), nullptr, 10);
-}
+using torch_plugin_test::Api;
+using torch_plugin_test::JsonInt;
 
 class TorchPluginTest : public ::testing::Test {
  protected:
@@ -78,21 +41,7 @@ class TorchPluginTest : public ::testing::Test {
     setenv("CTXPOOL_DRIVER", "sim:2xa10-24gb", /*overwrite=*/1);
     handle_ = dlopen(CTXPOOL_TORCH_PLUGIN_PATH, RTLD_NOW | RTLD_LOCAL);
     ASSERT_NE(handle_, nullptr) << dlerror();
-    Resolve(handle_, "ctxpool_malloc", api_.malloc);
-    Resolve(handle_, "ctxpool_try_malloc", api_.try_malloc);
-    Resolve(handle_, "ctxpool_free", api_.free);
-    Resolve(handle_, "ctxpool_empty_cache", api_.empty_cache);
-    Resolve(handle_, "ctxpool_memory_stats", api_.memory_stats);
-    Resolve(handle_, "ctxpool_record_stream", api_.record_stream);
-    Resolve(handle_, "ctxpool_set_model", api_.set_model);
-    Resolve(handle_, "ctxpool_get_model", api_.get_model);
-    Resolve(handle_, "ctxpool_set_model_budget", api_.set_model_budget);
-    Resolve(handle_, "ctxpool_model_stream", api_.model_stream);
-    Resolve(handle_, "ctxpool_snapshot", api_.snapshot);
-    Resolve(handle_, "ctxpool_write_trace", api_.write_trace);
-    Resolve(handle_, "ctxpool_last_error", api_.last_error);
-    Resolve(handle_, "ctxpool_info", api_.info);
-    Resolve(handle_, "ctxpool_shutdown", api_.shutdown);
+    torch_plugin_test::ResolveApi(handle_, &api_);
   }
   // The library is built with -z nodelete; it is never dlclosed.
 
