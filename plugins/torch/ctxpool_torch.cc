@@ -252,10 +252,23 @@ class PluginState {
 
   // The failure ends of the hot paths, out of line so that those stay
   // small: an owned Allocate that failed; a Deallocate that refused.
-  ABSL_ATTRIBUTE_NOINLINE absl::Status AllocateFailed(
-      ModelSession& session, std::size_t size, StreamHandle stream,
-      const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_) {
-    return MallocFailed(session, size, stream, status);
+  ABSL_ATTRIBUTE_NOINLINE absl::Status MallocFailed(ModelSession& session,
+                                                    std::size_t size,
+                                                    StreamHandle stream,
+                                                    const absl::Status& status)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    if (recorder_.enabled()) {
+      recorder_.Record(TraceOp::kOom, 0, size, stream.value(),
+                       ModelId(session));
+    }
+    // More than the whole device is out of memory to PyTorch (as
+    // cudaMalloc and its own allocator say), not a bad argument.
+    if (status.code() == absl::StatusCode::kInvalidArgument &&
+        size > session.device().device_allocator().device_total_bytes()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("out of memory: ", status.message()));
+    }
+    return status;
   }
   ABSL_ATTRIBUTE_NOINLINE absl::Status FreeRefused(void* ptr, std::size_t size,
                                                    int device,
@@ -405,23 +418,6 @@ class PluginState {
     }
     if (device < kCachedDevices) cache.by_device[device] = session;
     return session;
-  }
-
-  absl::Status MallocFailed(ModelSession& session, std::size_t size,
-                            StreamHandle stream, const absl::Status& status)
-      ABSL_LOCKS_EXCLUDED(mu_) {
-    if (recorder_.enabled()) {
-      recorder_.Record(TraceOp::kOom, 0, size, stream.value(),
-                       ModelId(session));
-    }
-    // More than the whole device is out of memory to PyTorch (as
-    // cudaMalloc and its own allocator say), not a bad argument.
-    if (status.code() == absl::StatusCode::kInvalidArgument &&
-        size > session.device().device_allocator().device_total_bytes()) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("out of memory: ", status.message()));
-    }
-    return status;
   }
 
   // The opened device on which `p` is a live block of one of the sessions.
@@ -770,7 +766,7 @@ ABSL_ATTRIBUTE_NOINLINE void* AllocateFailed(PluginState& s,
                                              std::size_t size,
                                              StreamHandle stream,
                                              const absl::Status& status) {
-  return MallocError<kThrow>(s.AllocateFailed(session, size, stream, status));
+  return MallocError<kThrow>(s.MallocFailed(session, size, stream, status));
 }
 
 template <bool kThrow>
