@@ -674,11 +674,19 @@ class CachingDeviceAllocator::Impl {
   // no other stream used): the check passes and nothing orders the free
   // after another stream.
   static bool FreeIsPlain(const Block& b, const FreeCheck& check) {
-    return (check.owner == kAnyOwner || b.owner == check.owner) &&
-           (!check.owned_only || b.owner != kNoOwner) &&
-           (!check.check_size || b.requested == check.requested_bytes) &&
+    return OwnerPasses(b, check) && SizePasses(b, check) &&
            (!check.order_after_stream ||
             check.stream.value() == b.segment->stream);
+  }
+  // `check`'s owner rule: the block is the checked owner's (any with
+  // kAnyOwner) and owned when only owned blocks may be freed.
+  static bool OwnerPasses(const Block& b, const FreeCheck& check) {
+    return (check.owner == kAnyOwner || b.owner == check.owner) &&
+           (!check.owned_only || b.owner != kNoOwner);
+  }
+  // `check`'s size rule, when it has one.
+  static bool SizePasses(const Block& b, const FreeCheck& check) {
+    return !check.check_size || b.requested == check.requested_bytes;
   }
 
   // Expandable mode: the tenant of `ss` holds more than its high.
@@ -2012,8 +2020,7 @@ class CachingDeviceAllocator::Impl {
   // Deallocate's FreeCheck on live block `b` (the slow path).
   absl::Status CheckFree(const Block& b, DevicePtr ptr, const FreeCheck& check)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if ((check.owner != kAnyOwner && b.owner != check.owner) ||
-        (check.owned_only && b.owner == kNoOwner)) {
+    if (!OwnerPasses(b, check)) {
       CountInvalidFree(check.owner);
       const OwnerRec* mine = FindOwner(check.owner);
       const OwnerRec* theirs = FindOwner(b.owner);
@@ -2027,7 +2034,7 @@ class CachingDeviceAllocator::Impl {
           theirs != nullptr ? absl::StrCat("'", theirs->name, "'")
                             : std::string("no owner")));
     }
-    if (check.check_size && b.requested != check.requested_bytes) {
+    if (!SizePasses(b, check)) {
       CountInvalidFree(check.owner);
       ++mismatched_frees_;
       return absl::InvalidArgumentError(absl::StrFormat(
