@@ -47,6 +47,11 @@ constexpr std::array<OptionSpec, kOptionCount> kOptions = {{
      "CTXPOOL_SESSION_MAX_BYTES", OptionKind::kBytes, "0",
      "Default budget 'max' of a session: allocations beyond it fail with "
      "RESOURCE_EXHAUSTED naming the model. 0: no limit."},
+    {OptionId::kSessionTimes, "session_times", "CTXPOOL_SESSION_TIMES",
+     OptionKind::kBool, "false",
+     "Stamp every session allocation with its time, so that leak reports and "
+     "LiveAllocations give ages (one coarse clock read per allocation, ~4 "
+     "ns), when SessionOptions does not say."},
     {OptionId::kMaxSplitBytes, "max_split_bytes", "CTXPOOL_MAX_SPLIT_BYTES",
      OptionKind::kBytes, "0",
      "Free blocks larger than this are never split (PyTorch's "

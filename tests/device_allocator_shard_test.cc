@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/clock.h"
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "device_allocator_fixture.h"
@@ -490,6 +491,47 @@ TEST_P(ShardTest, ResetPeakStatsResetsOwnersAndTenantsToo) {
             s.total.allocated_bytes[0].current);
   EXPECT_EQ(s.total.reserved_bytes[0].peak, s.total.reserved_bytes[0].current);
   ASSERT_TRUE(alloc_->Deallocate(*small).ok());
+}
+
+// Only an owner that records times has its blocks stamped; a block one
+// owner freed and another took again carries no stale time, and a charge
+// of any size in range is the request rounded up to 512 B (512 B for 0).
+TEST_P(ShardTest, OwnersRecordTimesOnlyWhenAsked) {
+  absl::StatusOr<OwnerId> timed = alloc_->RegisterOwner(
+      "timed", OwnerOptions{.max_live_bytes = 64 * kMiB, .record_times = true});
+  absl::StatusOr<OwnerId> plain =
+      alloc_->RegisterOwner("plain", OwnerOptions{.max_live_bytes = 64 * kMiB});
+  ASSERT_TRUE(timed.ok() && plain.ok());
+  const std::int64_t before = absl::GetCurrentTimeNanos();
+  absl::StatusOr<DevicePtr> t = alloc_->Allocate(4096, a1_, *timed, "t");
+  ASSERT_TRUE(t.ok()) << t.status();
+  absl::StatusOr<std::vector<OwnedBlock>> tb = alloc_->OwnedBlocks(*timed);
+  ASSERT_TRUE(tb.ok());
+  ASSERT_EQ(tb->size(), 1u);
+  // The coarse clock trails by up to a few ticks (100 ms: sanitizer builds)
+  // and never leads by more than absl's interpolation.
+  EXPECT_GE((*tb)[0].allocated_at_ns, before - 100'000'000);
+  EXPECT_LE((*tb)[0].allocated_at_ns, absl::GetCurrentTimeNanos() + 1'000'000);
+  ASSERT_TRUE(alloc_->Deallocate(*t).ok());
+  // The same stream, the same size: the cached path hands the same block on.
+  absl::StatusOr<DevicePtr> p = alloc_->Allocate(4096, a1_, *plain, "p");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->address(), t->address());
+  absl::StatusOr<std::vector<OwnedBlock>> pb = alloc_->OwnedBlocks(*plain);
+  ASSERT_TRUE(pb.ok());
+  ASSERT_EQ(pb->size(), 1u);
+  EXPECT_EQ((*pb)[0].allocated_at_ns, 0);
+  ASSERT_TRUE(alloc_->Deallocate(*p).ok());
+  const std::pair<std::size_t, std::size_t> charges[] = {
+      {0, 512},    {1, 512},     {511, 512},   {512, 512},
+      {513, 1024}, {4096, 4096}, {4097, 4608}, {3 * kMiB + 1, 3 * kMiB + 512}};
+  for (const auto& [bytes, charge] : charges) {
+    absl::StatusOr<DevicePtr> c = alloc_->Allocate(bytes, a1_, *plain);
+    ASSERT_TRUE(c.ok()) << bytes << ": " << c.status();
+    EXPECT_EQ(alloc_->GetOwnerStats(*plain)->live_bytes, charge) << bytes;
+    ASSERT_TRUE(alloc_->Deallocate(*c).ok());
+    EXPECT_EQ(alloc_->GetOwnerStats(*plain)->live_bytes, 0u) << bytes;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backings, ShardTest, test::kBothBackings,

@@ -17,6 +17,7 @@
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/context/device_context.h"
 #include "ctxpool/driver/sim_driver.h"
+#include "ctxpool/options.h"
 #include "gtest/gtest.h"
 #include "heap_counter.h"
 
@@ -137,7 +138,7 @@ TEST_F(ModelSessionTest, MaxBudgetRejectsNamingTheModelOthersUnaffected) {
 }
 
 TEST_F(ModelSessionTest, CloseReportsLeaksNamingTheAllocationAndReclaims) {
-  ModelSession& bert = Open("bert", {.streams = 2});
+  ModelSession& bert = Open("bert", {.streams = 2, .record_times = true});
   auto kv = bert.Allocate(4096, bert.stream(1), "kv_cache");
   auto ok = bert.Allocate(8192, bert.stream(0), "scratch");
   ASSERT_TRUE(kv.ok() && ok.ok());
@@ -173,7 +174,7 @@ TEST_F(ModelSessionTest, LiveAllocationTimesAreOnAbslClock) {
   // The allocation time is taken from a coarse clock (one kernel tick, a few
   // milliseconds): it lies within a tick of the calls around the Allocate,
   // and later allocations are never older than earlier ones.
-  ModelSession& bert = Open("bert");
+  ModelSession& bert = Open("bert", {.record_times = true});
   const std::int64_t before = absl::GetCurrentTimeNanos();
   auto a = bert.Allocate(4096, bert.stream(0), "a");
   absl::SleepFor(absl::Milliseconds(30));
@@ -197,6 +198,41 @@ TEST_F(ModelSessionTest, LiveAllocationTimesAreOnAbslClock) {
   ASSERT_TRUE(bert.Deallocate(*b).ok());
 }
 
+TEST_F(ModelSessionTest, TimesAreRecordedOnlyWhenAsked) {
+  // Off by default: the leak report names every allocation without an age
+  // and LiveAllocations reads 0; CTXPOOL_SESSION_TIMES (the option table)
+  // turns it on for sessions that do not say, and SessionOptions wins over
+  // the table either way.
+  ReloadOptions();
+  ModelSession& plain = Open("plain");
+  ASSERT_TRUE(SetOption(OptionId::kSessionTimes, "true").ok());
+  ModelSession& by_table = Open("by_table");
+  ModelSession& refused = Open("refused", {.record_times = false});
+  ReloadOptions();
+  const std::int64_t before = absl::GetCurrentTimeNanos();
+  auto p = plain.Allocate(4096, plain.stream(0), "p");
+  auto t = by_table.Allocate(4096, by_table.stream(0), "t");
+  auto r = refused.Allocate(4096, refused.stream(0), "r");
+  ASSERT_TRUE(p.ok() && t.ok() && r.ok());
+  ASSERT_EQ(plain.LiveAllocations().size(), 1u);
+  EXPECT_EQ(plain.LiveAllocations()[0].allocated_at_ns, 0);
+  ASSERT_EQ(refused.LiveAllocations().size(), 1u);
+  EXPECT_EQ(refused.LiveAllocations()[0].allocated_at_ns, 0);
+  ASSERT_EQ(by_table.LiveAllocations().size(), 1u);
+  EXPECT_GE(by_table.LiveAllocations()[0].allocated_at_ns,
+            before - 100'000'000);
+  ASSERT_TRUE(by_table.Deallocate(*t).ok());
+  ASSERT_TRUE(plain.Deallocate(*p).ok());
+  auto leak = plain.Allocate(4096, plain.stream(0), "leaked");
+  ASSERT_TRUE(leak.ok());
+  absl::Status closed = plain.Close();
+  ASSERT_EQ(closed.code(), absl::StatusCode::kFailedPrecondition);
+  const std::string msg(closed.message());
+  EXPECT_NE(msg.find("4096 B 'leaked'"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("age"), std::string::npos) << msg;
+  ASSERT_TRUE(refused.Deallocate(*r).ok());
+}
+
 TEST(LiveAllocationTest, AgeIsNeverNegative) {
   // A wall-clock step back puts "now" before the stamp: the age reads 0.
   LiveAllocation l;
@@ -205,6 +241,10 @@ TEST(LiveAllocationTest, AgeIsNeverNegative) {
   EXPECT_TRUE(absl::EndsWith(l.ToString("bert", 1'000'000'000), ", age 0"))
       << l.ToString("bert", 1'000'000'000);
   EXPECT_TRUE(absl::EndsWith(l.ToString("bert", 2'001'500'000), ", age 1.5ms"))
+      << l.ToString("bert", 2'001'500'000);
+  // No time recorded: no age.
+  l.allocated_at_ns = 0;
+  EXPECT_TRUE(absl::EndsWith(l.ToString("bert", 2'001'500'000), "stream 0x0"))
       << l.ToString("bert", 2'001'500'000);
 }
 

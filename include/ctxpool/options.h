@@ -45,6 +45,7 @@ enum class OptionId : int {
   kSessionMinBytes,    // CTXPOOL_SESSION_MIN_BYTES
   kSessionHighBytes,   // CTXPOOL_SESSION_HIGH_BYTES
   kSessionMaxBytes,    // CTXPOOL_SESSION_MAX_BYTES
+  kSessionTimes,       // CTXPOOL_SESSION_TIMES
   kMaxSplitBytes,      // CTXPOOL_MAX_SPLIT_BYTES
   kMemoryLimit,        // CTXPOOL_MEMORY_LIMIT
   kSimCosts,           // CTXPOOL_SIM_COSTS

@@ -28,7 +28,8 @@
 // that uses GPU 0 creates no context on the other GPUs. The device
 // allocator's backing mode and the session budgets come from the CTXPOOL_*
 // option table (CTXPOOL_BACKING, CTXPOOL_SESSION_{MIN,HIGH,MAX}_BYTES,
-// CTXPOOL_MAX_SPLIT_BYTES); CTXPOOL_TRACE=1 records every malloc and free in
+// CTXPOOL_SESSION_TIMES for ages in leak reports, CTXPOOL_MAX_SPLIT_BYTES);
+// CTXPOOL_TRACE=1 records every malloc and free in
 // a ring buffer of CTXPOOL_TRACE_CAPACITY events (ctxpool_write_trace).
 //
 // Models: every allocation is charged to a ctxpool ModelSession: the one of

@@ -206,12 +206,13 @@ struct FoldCtl {
 struct alignas(64) SubAccount {
   OwnerId owner = kNoOwner;
   OwnerRec* rec = nullptr;
-  std::size_t max = 0;     // the owner's max (0: none)
-  std::size_t chunk = 0;   // credit taken from the record at a time
-  bool closed = false;     // the owner refuses allocations
-  std::size_t credit = 0;  // reserved from the record, not charged yet
-  std::size_t live = 0;    // charged bytes of its live blocks
-  std::size_t peak = 0;    // of `live`
+  std::size_t max = 0;        // the owner's max (0: none)
+  std::size_t chunk = 0;      // credit taken from the record at a time
+  bool closed = false;        // the owner refuses allocations
+  bool record_times = false;  // its blocks are stamped with their time
+  std::size_t credit = 0;     // reserved from the record, not charged yet
+  std::size_t live = 0;       // charged bytes of its live blocks
+  std::size_t peak = 0;       // of `live`
   std::size_t requested = 0;
   std::int64_t allocs = 0;
   std::int64_t frees = 0;
@@ -329,6 +330,7 @@ struct OwnerRec {
   std::string name;
   std::size_t max = 0;  // 0: none
   std::size_t chunk = 0;
+  bool record_times = false;
   std::atomic<std::size_t> reserved{0};
   std::atomic<bool> closed{false};
   // Counters of the slow paths (mu_).
@@ -661,7 +663,7 @@ class CachingDeviceAllocator::Impl {
     if (ABSL_PREDICT_FALSE(ss->retired | ss->destroyed)) return nullptr;
     if (ABSL_PREDICT_FALSE(owner != kNoOwner)) {
       SubAccount* sub = ss->FindSub(owner);
-      const std::size_t charge = Charge(bytes);
+      const std::size_t charge = ChargeInRange(bytes);
       if (sub == nullptr || sub->closed || !TakeCredit(*sub, charge)) {
         return nullptr;
       }
@@ -864,8 +866,9 @@ class CachingDeviceAllocator::Impl {
   // ---- Owners ----------------------------------------------------------
 
   absl::StatusOr<OwnerId> RegisterOwner(absl::string_view name,
-                                        std::size_t max_live_bytes)
+                                        const OwnerOptions& options)
       ABSL_LOCKS_EXCLUDED(mu_) {
+    const std::size_t max_live_bytes = options.max_live_bytes;
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::RegisterOwner"));
     if (name.empty()) {
@@ -875,6 +878,7 @@ class CachingDeviceAllocator::Impl {
     o->name = std::string(name);
     o->max = max_live_bytes;
     o->chunk = CreditChunk(max_live_bytes);
+    o->record_times = options.record_times;
     SpinLockHolder lock(&mu_);
     if (owners_.size() >= kAnyOwner - 1) {
       return absl::ResourceExhaustedError("RegisterOwner: out of owner ids");
@@ -1765,8 +1769,9 @@ class CachingDeviceAllocator::Impl {
     b->owner_data = tag.sub;
     b->label = tag.label;
     if (tag.sub != nullptr) {
-      b->born_ns = core_internal::CoarseNowNs();
       SubAccount& s = *tag.sub;
+      b->born_ns =
+          ABSL_PREDICT_FALSE(s.record_times) ? core_internal::CoarseNowNs() : 0;
       if (s.max != 0) s.credit -= tag.charge;
       s.live += tag.charge;
       s.peak = std::max(s.peak, s.live);
@@ -1799,7 +1804,7 @@ class CachingDeviceAllocator::Impl {
          -static_cast<std::int64_t>(b->requested));
     if (b->owner_data != nullptr) {
       SubAccount& s = *static_cast<SubAccount*>(b->owner_data);
-      const std::size_t charge = Charge(b->requested);
+      const std::size_t charge = ChargeInRange(b->requested);
       s.live -= charge;
       s.requested -= b->requested;
       ++s.frees;
@@ -1814,14 +1819,23 @@ class CachingDeviceAllocator::Impl {
 
   // ---- Owners: helpers -----------------------------------------------------
 
-  // What an owner is charged for a request.
+  // What an owner is charged for a request: `bytes` rounded up to
+  // round_bytes, at least round_bytes; saturates near 2^64.
   std::size_t Charge(std::size_t bytes) const {
-    const std::size_t r = options_.round_bytes;  // a power of two
-    if (ABSL_PREDICT_FALSE(bytes >
-                           std::numeric_limits<std::size_t>::max() - r)) {
-      return std::numeric_limits<std::size_t>::max();  // saturates
+    if (ABSL_PREDICT_FALSE(bytes > device_total_)) {
+      const std::size_t r = options_.round_bytes;
+      if (bytes > std::numeric_limits<std::size_t>::max() - r) {
+        return std::numeric_limits<std::size_t>::max();
+      }
     }
-    return bytes == 0 ? r : (bytes + r - 1) & ~(r - 1);
+    return ChargeInRange(bytes);
+  }
+  // Charge of a request no larger than the device (every live block's, and
+  // the cached path's, whose caller refused larger ones): no overflow to
+  // guard, and no branch.
+  std::size_t ChargeInRange(std::size_t bytes) const {
+    const std::size_t mask = options_.round_bytes - 1;  // a power of two
+    return ((std::max<std::size_t>(bytes, 1) - 1) | mask) + 1;
   }
 
   // The credit an owner's sub-account takes at a time: 1/64 of its max
@@ -1904,6 +1918,7 @@ class CachingDeviceAllocator::Impl {
     s->rec = o;
     s->max = o->max;
     s->chunk = o->chunk;
+    s->record_times = o->record_times;
     s->closed = o->closed.load(std::memory_order_relaxed);
     ss->subs.push_back(std::move(s));
     o->shards.push_back(ss);
@@ -4160,7 +4175,12 @@ absl::Status CachingDeviceAllocator::RecordStream(DevicePtr ptr,
 }
 absl::StatusOr<OwnerId> CachingDeviceAllocator::RegisterOwner(
     absl::string_view name, std::size_t max_live_bytes) {
-  return impl_->RegisterOwner(name, max_live_bytes);
+  return impl_->RegisterOwner(name,
+                              OwnerOptions{.max_live_bytes = max_live_bytes});
+}
+absl::StatusOr<OwnerId> CachingDeviceAllocator::RegisterOwner(
+    absl::string_view name, const OwnerOptions& options) {
+  return impl_->RegisterOwner(name, options);
 }
 absl::StatusOr<OwnerStats> CachingDeviceAllocator::GetOwnerStats(
     OwnerId owner) const {

@@ -401,6 +401,13 @@ absl::StatusOr<std::unique_ptr<ModelSession>> DeviceContext::OpenSession(
       resolve(options.high_bytes, OptionId::kSessionHighBytes));
   CTXPOOL_ASSIGN_OR_RETURN(
       budget.max_bytes, resolve(options.max_bytes, OptionId::kSessionMaxBytes));
+  bool record_times = false;
+  if (options.record_times.has_value()) {
+    record_times = *options.record_times;
+  } else {
+    CTXPOOL_ASSIGN_OR_RETURN(record_times,
+                             GetOptionBool(OptionId::kSessionTimes));
+  }
   if (budget.max_bytes != 0 && budget.min_bytes > budget.max_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "DeviceContext::OpenSession('", name, "'): budget min ",
@@ -454,7 +461,9 @@ absl::StatusOr<std::unique_ptr<ModelSession>> DeviceContext::OpenSession(
   }
   // The model's allocations carry it as their owner, which enforces the
   // session's max on live bytes, exactly, in the allocator's shards.
-  absl::StatusOr<OwnerId> owner = alloc.RegisterOwner(name, budget.max_bytes);
+  absl::StatusOr<OwnerId> owner =
+      alloc.RegisterOwner(name, OwnerOptions{.max_live_bytes = budget.max_bytes,
+                                             .record_times = record_times});
   if (!owner.ok()) {
     for (StreamHandle s : leased) alloc.UnbindStream(s).IgnoreError();
     alloc.UnregisterTenant(*tenant).IgnoreError();

@@ -43,11 +43,14 @@ std::string LiveAllocation::ToString(absl::string_view model,
                                      std::int64_t now_ns) const {
   std::string out = absl::StrCat(model, ": ", bytes, " B");
   if (label != nullptr) absl::StrAppend(&out, " '", label, "'");
-  absl::StrAppendFormat(
-      &out, " at 0x%x on stream 0x%x, age %s", ptr.address(), stream.value(),
-      // A wall-clock step back can put `now_ns` before the stamp: age 0.
-      absl::FormatDuration(absl::Nanoseconds(
-          std::max<std::int64_t>(0, now_ns - allocated_at_ns))));
+  absl::StrAppendFormat(&out, " at 0x%x on stream 0x%x", ptr.address(),
+                        stream.value());
+  if (allocated_at_ns != 0) {
+    // A wall-clock step back can put `now_ns` before the stamp: age 0.
+    absl::StrAppend(&out, ", age ",
+                    absl::FormatDuration(absl::Nanoseconds(
+                        std::max<std::int64_t>(0, now_ns - allocated_at_ns))));
+  }
   return out;
 }
 

@@ -71,10 +71,11 @@
 // exact.
 //
 // Owners: RegisterOwner names who allocates (a ModelSession, a plugin's
-// model); an owned Allocate keeps the owner, a label and the time in the
-// block and charges the owner's live bytes against its max under the same
-// shard lock, and an owned Deallocate refuses blocks of another owner (or of
-// another size, FreeCheck) before it frees anything. No side table.
+// model); an owned Allocate keeps the owner and a label (and the time, for
+// an owner that records times) in the block and charges the owner's live bytes
+// against its max under the same shard lock, and an owned Deallocate refuses
+// blocks of another owner (or of another size, FreeCheck) before it frees
+// anything. No side table.
 //
 // Expandable segments (BackingMode::kExpandable, needs a device with VMM):
 // each (stream, pool) reserves one virtual range twice the size of the device's
@@ -362,6 +363,18 @@ struct OwnerStats {
   bool closed = false;
 };
 
+// How an owner is registered (RegisterOwner).
+struct OwnerOptions {
+  // A hard limit on the owner's charged live bytes; 0: none.
+  std::size_t max_live_bytes = 0;
+  // Stamp each of its allocations with the time (OwnedBlock::
+  // allocated_at_ns, the ages of a session's leak report). One coarse clock
+  // read per allocation, ~4 ns, which is a third of what an owner adds to a
+  // cached pair: off unless asked for, as PyTorch records allocation times
+  // only while its memory history is on.
+  bool record_times = false;
+};
+
 // A live block of an owner.
 struct OwnedBlock {
   DevicePtr ptr;
@@ -369,8 +382,9 @@ struct OwnedBlock {
   std::size_t charged_bytes = 0;
   StreamHandle stream;          // allocation stream
   const char* label = nullptr;  // as given to Allocate
+  // When it was allocated, if its owner records times (else 0):
   // absl::GetCurrentTimeNanos() clock, read coarsely: 0 to a few kernel
-  // ticks (milliseconds) early, never late
+  // ticks (milliseconds) early, never late.
   std::int64_t allocated_at_ns = 0;
 };
 
@@ -454,13 +468,14 @@ class CachingDeviceAllocator {
 
   // ---- Owners --------------------------------------------------------------
   // An owner is who allocated a block (a ModelSession, a plugin's model):
-  // the allocator keeps the owner, a label and the allocation time in the
-  // block itself and charges the owner's live bytes under the same lock
-  // that serves the block, so an owned Allocate or Deallocate is one
-  // critical section with no side table and no heap allocation. A charge is
-  // the request rounded up to options().round_bytes (round_bytes for size
-  // 0). Owners are not tenants: a tenant is charged the physical memory its
-  // streams hold, an owner the live bytes it asked for, on any stream.
+  // the allocator keeps the owner, a label (and, when the owner asks, the
+  // allocation time) in the block itself and charges the owner's live bytes
+  // under the same lock that serves the block, so an owned Allocate or
+  // Deallocate is one critical section with no side table and no heap
+  // allocation. A charge is the request rounded up to options().round_bytes
+  // (round_bytes for size 0). Owners are not tenants: a tenant is charged the
+  // physical memory its streams hold, an owner the live bytes it asked for, on
+  // any stream.
   //
   // Registers an owner; `max_live_bytes` (0: none) is a hard limit on its
   // charged live bytes, exact under concurrency: an Allocate that would
@@ -468,6 +483,10 @@ class CachingDeviceAllocator {
   // Ids are never reused. INVALID_ARGUMENT for an empty name.
   absl::StatusOr<OwnerId> RegisterOwner(absl::string_view name,
                                         std::size_t max_live_bytes = 0);
+  // As above, with OwnerOptions (its max, and whether its allocations are
+  // stamped with their time).
+  absl::StatusOr<OwnerId> RegisterOwner(absl::string_view name,
+                                        const OwnerOptions& options);
   // Allocate, charged to `owner` (kNoOwner: as the plain Allocate) and
   // labelled `label` (REQUIRES: null or outlives the block). Also
   // INVALID_ARGUMENT for an unknown owner, FAILED_PRECONDITION for a closed
