@@ -72,17 +72,31 @@
 // are the figures to quote for the ratios. --paired_rounds=N (default 40;
 // 0: none).
 //
+// Stack placement: where the timed loop's stack sits relative to the
+// allocator's objects, modulo 4 KiB, changes a pair's time. On the machine
+// the README's table was made on, one bare allocator ran 57-65 ns at 237 of
+// 256 stack offsets (16-byte steps over 4 KiB) and 66-79 ns at the other 19,
+// all within a few hundred bytes (likely 4K aliasing: a load whose address
+// matches an earlier store's in its low 12 bits waits for that store). A run
+// that draws one offset per path compares a lucky draw with an unlucky one. So
+// every timed loop runs below a stack pad that changes from run to run
+// (AtStackOffset: 67 x 16 bytes more, modulo 4 KiB, per run or round), and the
+// medians over repetitions and rounds give the cost at a typical offset for
+// every path alike.
+//
 // --mutex_deadlock_detection keeps absl::Mutex's deadlock detection at the
 // library default (on in Debian's Abseil build); it is off otherwise.
 // --smoke additionally checks both allocators for correctness before the
 // runs. The process exits non-zero when a run fails, a check fails, or the
 // simulated driver counted a misuse (this is the cub_peer_smoke ctest).
+#include <alloca.h>
 #include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstddef>
@@ -550,12 +564,39 @@ void TeardownRun(const benchmark::State&) {
   current.reset();
 }
 
+// The stack pad of the k-th timed run: 67 x 16 bytes more per run, modulo
+// 4 KiB (67 is odd, so 256 runs visit every 16-byte offset once).
+std::size_t StackOffset(std::uint64_t k) { return (k * 67 * 16) % 4096; }
+
+// Calls f() (not inlined) below `offset` bytes of stack, so that every frame
+// of the timed loop and of the path it calls moves by `offset`.
+template <typename F>
+ABSL_ATTRIBUTE_NOINLINE auto AtStackOffset(std::size_t offset, F f) {
+  void* pad = alloca(offset + 16);
+  benchmark::DoNotOptimize(pad);
+  return f();
+}
+
+// The timed runs so far, for their stack offsets.
+std::atomic<std::uint64_t> timed_runs{0};
+
 // The timed loop, one function for every row: each row's loop runs the same
 // machine code at the same address, so rows differ only in the path they
 // call.
-ABSL_ATTRIBUTE_NOINLINE void RunPairs(benchmark::State& state,
-                                      const std::vector<std::size_t>& sizes,
-                                      bool shared) {
+ABSL_ATTRIBUTE_NOINLINE void RunPairsHere(benchmark::State& state,
+                                          const std::vector<std::size_t>& sizes,
+                                          bool shared);
+
+// A row's run (each thread's): the timed loop below a stack pad of its own.
+void RunPairs(benchmark::State& state, const std::vector<std::size_t>& sizes,
+              bool shared) {
+  AtStackOffset(
+      StackOffset(timed_runs.fetch_add(1)),
+      [&]() ABSL_ATTRIBUTE_NOINLINE { RunPairsHere(state, sizes, shared); });
+}
+
+void RunPairsHere(benchmark::State& state,
+                  const std::vector<std::size_t>& sizes, bool shared) {
   if (!current_status.ok() || current == nullptr) {
     state.SkipWithError(current_status.ToString().c_str());
     return;
@@ -989,8 +1030,19 @@ void PrintPathsTable(const RatioReporter& r, bool with_cub, std::FILE* out) {
 // rotates between rounds.
 
 // Thread CPU ns per pair of `pairs` pairs on `stream`, or -1 on an error.
+ABSL_ATTRIBUTE_NOINLINE double TimePairsHere(
+    Allocator& a, const std::vector<std::size_t>& sizes, StreamHandle stream,
+    std::size_t start, int pairs);
+// As TimePairsHere, below a stack pad of `offset` bytes.
 double TimePairs(Allocator& a, const std::vector<std::size_t>& sizes,
-                 StreamHandle stream, std::size_t start, int pairs) {
+                 StreamHandle stream, std::size_t start, int pairs,
+                 std::size_t offset) {
+  return AtStackOffset(offset, [&]() ABSL_ATTRIBUTE_NOINLINE {
+    return TimePairsHere(a, sizes, stream, start, pairs);
+  });
+}
+double TimePairsHere(Allocator& a, const std::vector<std::size_t>& sizes,
+                     StreamHandle stream, std::size_t start, int pairs) {
   const std::size_t mask = sizes.size() - 1;
   std::size_t i = start & mask;
   const std::int64_t t0 = ThreadCpuNanos();
@@ -1049,7 +1101,8 @@ int RunPairedRounds(int rounds, std::FILE* out) {
         double sum1 = 0;
         for (int c = 0; c < 2; ++c) {
           if (pinned) PinTo(cpus[c]);
-          const double ns = TimePairs(a, mix.sizes, a.stream(c), 0, kPairs);
+          const double ns = TimePairs(a, mix.sizes, a.stream(c), 0, kPairs,
+                                      StackOffset(4 * r + c));
           failed |= ns < 0;
           sum1 += ns;
         }
@@ -1062,7 +1115,8 @@ int RunPairedRounds(int rounds, std::FILE* out) {
           while (ready.load() < 2) {
           }
           ns2[t] = TimePairs(a, mix.sizes, a.stream(t),
-                             static_cast<std::size_t>(t) * 389, kPairs);
+                             static_cast<std::size_t>(t) * 389, kPairs,
+                             StackOffset(4 * r + 2 + t));
         };
         std::thread other(run, 1);
         run(0);
