@@ -1,12 +1,14 @@
 # Wiring for the PyTorch plugin's tests (plugins/torch):
-#   * torch_plugin_test (tests/torch_plugin_test.cc) and
-#     torch_plugin_attack_test (the C ABI's fast paths attacked) dlopen the
-#     built libctxpool_torch.so, whose path they get as a compile definition;
+#   * torch_plugin_test (tests/torch_plugin_test.cc),
+#     torch_plugin_attack_test (the C ABI's fast paths attacked) and
+#     record_times_attack_test (CTXPOOL_SESSION_TIMES in the plugin, among
+#     its other cases) dlopen the built libctxpool_torch.so, whose path they
+#     get as a compile definition;
 #   * torch_plugin_python runs the Python wrapper's unittest suite
 #     (plugins/torch/tests) on the simulated driver; it needs no torch;
 #   * torch_pip_install (label slow) pip-installs plugins/torch/python into
 #     a fresh venv and imports it from outside the checkout.
-foreach(_t torch_plugin_test torch_plugin_attack_test)
+foreach(_t torch_plugin_test torch_plugin_attack_test record_times_attack_test)
   if(NOT TARGET ${_t})
     continue()
   endif()

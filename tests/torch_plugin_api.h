@@ -1,7 +1,9 @@
 // The PyTorch plugin's C ABI as the tests see it: the functions of
 // libctxpool_torch.so resolved with dlsym, and a reader for its JSON stats.
-// Shared by torch_plugin_test and torch_plugin_attack_test, which dlopen the
-// library from CTXPOOL_TORCH_PLUGIN_PATH (tests/torch_plugin.cmake).
+// Shared by the plugin's tests, which dlopen the library from
+// CTXPOOL_TORCH_PLUGIN_PATH (tests/torch_plugin.cmake), with RunTestInChild
+// for cases that need their own process (an environment read once, a
+// shutdown that prints).
 //
 //   void* h = dlopen(CTXPOOL_TORCH_PLUGIN_PATH, RTLD_NOW | RTLD_LOCAL);
 //   torch_plugin_test::Api api;
@@ -12,11 +14,21 @@
 #define CTXPOOL_TESTS_TORCH_PLUGIN_API_H_
 
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
 
 #ifndef CTXPOOL_TORCH_PLUGIN_PATH
 #define CTXPOOL_TORCH_PLUGIN_PATH ""  // the plugin is not built: skip
@@ -78,6 +90,58 @@ inline int64_t JsonInt(const std::string& json, const std::string& key) {
   const std::size_t at = json.find(needle);
   if (at == std::string::npos) return INT64_MIN;
   return std::strtoll(json.c_str() + at + needle.size(), nullptr, 10);
+}
+
+// This test executable's path.
+inline std::string SelfExe() {
+  char buf[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return "";
+  buf[n] = '\0';
+  return buf;
+}
+
+// Runs this test executable again with only `suite`.`test` selected, the
+// environment changed by `env` in order ("K=V" sets, a bare "K" unsets) and
+// `marker`=`test` set (how the child's fixture knows it runs there). Its
+// stdout and stderr go to *output. True when that one test ran and passed.
+inline bool RunTestInChild(const std::string& suite, const std::string& test,
+                           const char* marker,
+                           const std::vector<std::string>& env,
+                           std::string* output) {
+  const std::string out_path = ::testing::TempDir() + "/ctxpool_child_" +
+                               std::to_string(getpid()) + "_" + test + ".txt";
+  const std::string filter = "--gtest_filter=" + suite + "." + test;
+  const std::string exe = SelfExe();
+  std::fflush(nullptr);
+  const pid_t pid = fork();
+  if (pid < 0) return false;
+  if (pid == 0) {
+    const int fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+    }
+    for (const std::string& kv : env) {
+      if (kv.find('=') == std::string::npos) {
+        unsetenv(kv.c_str());
+      } else {
+        putenv(strdup(kv.c_str()));
+      }
+    }
+    setenv(marker, test.c_str(), 1);
+    execl(exe.c_str(), exe.c_str(), filter.c_str(), (char*)nullptr);
+    _exit(127);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  std::stringstream text;
+  text << std::ifstream(out_path).rdbuf();
+  *output = text.str();
+  std::remove(out_path.c_str());
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 &&
+         output->find("[  PASSED  ] 1 test") != std::string::npos &&
+         output->find("SKIPPED") == std::string::npos;
 }
 
 }  // namespace torch_plugin_test

@@ -48,14 +48,6 @@ constexpr std::size_t kGiB = std::size_t{1} << 30;
 using torch_plugin_test::Api;
 using torch_plugin_test::JsonInt;
 
-std::string SelfExe() {
-  char buf[PATH_MAX];
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) return "";
-  buf[n] = '\0';
-  return buf;
-}
-
 std::string PluginPath() { return CTXPOOL_TORCH_PLUGIN_PATH; }
 
 std::string ModelJson(const std::string& stats, const std::string& model) {
@@ -79,37 +71,12 @@ bool LoadPlugin() {
   return true;
 }
 
-// Runs this executable with only `test` (AttackChild.<name>) and the extra
+// Runs this executable with only AttackChild.<test> and the extra
 // environment `env` ("K=V"); true when it ran that one test and it passed.
 bool RunChild(const std::string& test, const std::vector<std::string>& env,
               std::string* output) {
-  const std::string out_path = ::testing::TempDir() + "/ctxpool_attack_" +
-                               std::to_string(getpid()) + "_" + test + ".txt";
-  const std::string filter = "--gtest_filter=AttackChild." + test;
-  const std::string exe = SelfExe();
-  std::fflush(nullptr);
-  const pid_t pid = fork();
-  if (pid < 0) return false;
-  if (pid == 0) {
-    const int fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd >= 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-    }
-    for (const std::string& kv : env) putenv(strdup(kv.c_str()));
-    setenv("CTXPOOL_ATTACK_CHILD", test.c_str(), 1);
-    execl(exe.c_str(), exe.c_str(), filter.c_str(), (char*)nullptr);
-    _exit(127);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  std::stringstream text;
-  text << std::ifstream(out_path).rdbuf();
-  *output = text.str();
-  std::remove(out_path.c_str());
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0 &&
-         output->find("[  PASSED  ] 1 test") != std::string::npos &&
-         output->find("SKIPPED") == std::string::npos;
+  return torch_plugin_test::RunTestInChild("AttackChild", test,
+                                           "CTXPOOL_ATTACK_CHILD", env, output);
 }
 
 class Attack : public ::testing::Test {

@@ -183,6 +183,11 @@ constexpr std::uint32_t kMaxBackoff = 1023;
 // then no other thread can touch a sum, and a shard takes it at once.
 thread_local bool tls_all_shards_held = false;
 
+// The largest device memory the allocator accepts (CachingDeviceAllocator::
+// Create refuses a driver that reports more): requests are at most the
+// device's total, so sizes, charges and rounding stay far from overflow.
+constexpr std::size_t kMaxDeviceBytes = std::size_t{1} << 62;
+
 // A shard's live map starts with room for this many blocks.
 constexpr std::size_t kInitialLiveCapacity = 256;
 
@@ -1831,8 +1836,8 @@ class CachingDeviceAllocator::Impl {
     return ChargeInRange(bytes);
   }
   // Charge of a request no larger than the device (every live block's, and
-  // the cached path's, whose caller refused larger ones): no overflow to
-  // guard, and no branch.
+  // the cached path's, whose caller refused larger ones): the device is at
+  // most kMaxDeviceBytes (Create), so no overflow to guard, and no branch.
   std::size_t ChargeInRange(std::size_t bytes) const {
     const std::size_t mask = options_.round_bytes - 1;  // a power of two
     return ((std::max<std::size_t>(bytes, 1) - 1) | mask) + 1;
@@ -4107,6 +4112,16 @@ CachingDeviceAllocator::Create(Driver& driver, int device,
                                DeviceAllocatorOptions options) {
   CTXPOOL_RETURN_IF_ERROR(ValidateDeviceAllocatorOptions(options));
   CTXPOOL_ASSIGN_OR_RETURN(std::size_t total, driver.DeviceTotalMem(device));
+  // Every size computation (rounding, charges, a range twice the device)
+  // assumes requests, which are at most the device's total, are far from
+  // 2^64; no device comes near 2^62 bytes, so a driver that says so is
+  // broken and nothing is created on it.
+  if (total > kMaxDeviceBytes) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "device %d reports %d bytes of memory; ctxpool supports devices of "
+        "up to 2^62 bytes (the driver's figure cannot be right)",
+        device, total));
+  }
   if (options.backing == BackingMode::kAuto) {
     absl::StatusOr<int> vmm = driver.DeviceGetAttribute(
         DeviceAttribute::kVirtualMemoryManagementSupported, device);

@@ -432,8 +432,9 @@ class CachingDeviceAllocator {
   // Creates an allocator for `device`. The driver must outlive it. Retains
   // the device's primary context unless options.context is set.
   // INVALID_ARGUMENT for inconsistent options, FAILED_PRECONDITION for
-  // BackingMode::kExpandable on a device without VMM support, or the
-  // driver's error.
+  // BackingMode::kExpandable on a device without VMM support or a driver
+  // that reports more than 2^62 bytes of device memory, or the driver's
+  // error.
   static absl::StatusOr<std::unique_ptr<CachingDeviceAllocator>> Create(
       Driver& driver, int device, DeviceAllocatorOptions options = {});
 
@@ -487,6 +488,9 @@ class CachingDeviceAllocator {
   // stamped with their time).
   absl::StatusOr<OwnerId> RegisterOwner(absl::string_view name,
                                         const OwnerOptions& options);
+  // RegisterOwner(name, true) would be a max of 1 byte: say OwnerOptions.
+  absl::StatusOr<OwnerId> RegisterOwner(absl::string_view name,
+                                        bool record_times) = delete;
   // Allocate, charged to `owner` (kNoOwner: as the plain Allocate) and
   // labelled `label` (REQUIRES: null or outlives the block). Also
   // INVALID_ARGUMENT for an unknown owner, FAILED_PRECONDITION for a closed

@@ -249,7 +249,8 @@ class ModelSession {
   // leak, frees them, unbinds the streams from the model's tenant and
   // unregisters it, destroys nothing but returns the streams and events to
   // the device's pools. OK when nothing leaked; FAILED_PRECONDITION listing
-  // each leak (size, label, address, stream, age) otherwise — the memory is
+  // each leak (size, label, address, stream, and its age with
+  // SessionOptions::record_times) otherwise — the memory is
   // reclaimed either way. A second Close returns FAILED_PRECONDITION.
   absl::Status Close();
 

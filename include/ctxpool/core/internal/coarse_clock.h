@@ -1,7 +1,8 @@
 // ctxpool/core/internal/coarse_clock.h — the clock of allocation stamps. Not
 // API.
 //
-// Owned blocks are stamped on every cached allocation, so the stamp must be
+// Blocks of owners that record times (OwnerOptions::record_times) are
+// stamped on every allocation, cached ones included, so the stamp must be
 // cheap. CoarseNowNs() is absl's clock (ns since the Unix epoch) read
 // coarsely: the kernel's coarse real-time clock is one load from the vDSO page
 // with no time-stamp-counter read (~4 ns where rdtsc costs ~11 ns on a virtual
