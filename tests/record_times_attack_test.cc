@@ -16,9 +16,6 @@
 // Assertions are on behaviour, never on durations: a stamp is only checked
 // to be non-zero and within a generous window around the calls.
 #include <dlfcn.h>
-#include <fcntl.h>
-#include <limits.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -28,14 +25,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
 #include <optional>
 #include <random>
 #include <set>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -991,10 +986,7 @@ bool RunChild(const std::string& test, std::vector<std::string> env,
 class PluginChild : public ::testing::Test {
  protected:
   void SetUp() override {
-    const char* which = std::getenv("CTXPOOL_TIMES_CHILD");
-    const std::string name =
-        ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    if (which == nullptr || name != which) {
+    if (!torch_plugin_test::InChildFor("CTXPOOL_TIMES_CHILD")) {
       GTEST_SKIP() << "runs in a child process only";
     }
     handle_ = dlopen(PluginPath().c_str(), RTLD_NOW | RTLD_LOCAL);

@@ -101,6 +101,16 @@ inline std::string SelfExe() {
   return buf;
 }
 
+// True in the process RunTestInChild started for the running test (its
+// `marker` names that test); a test meant only for it skips elsewhere.
+inline bool InChildFor(const char* marker) {
+  const char* which = std::getenv(marker);
+  return which != nullptr &&
+         which == std::string(::testing::UnitTest::GetInstance()
+                                  ->current_test_info()
+                                  ->name());
+}
+
 // Runs this test executable again with only `suite`.`test` selected, the
 // environment changed by `env` in order ("K=V" sets, a bare "K" unsets) and
 // `marker`=`test` set (how the child's fixture knows it runs there). Its

@@ -9,8 +9,6 @@
 // another environment (CTXPOOL_TRACE=1, 18 devices) re-execute this binary
 // with one child test selected (suite AttackChild) and that environment.
 #include <dlfcn.h>
-#include <fcntl.h>
-#include <limits.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -542,10 +540,7 @@ TEST_F(Attack, DevicesBeyondTheSessionCache) {
 class AttackChild : public Attack {
  protected:
   void SetUp() override {
-    const char* which = std::getenv("CTXPOOL_ATTACK_CHILD");
-    const std::string name =
-        ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    if (which == nullptr || name != which) {
+    if (!torch_plugin_test::InChildFor("CTXPOOL_ATTACK_CHILD")) {
       GTEST_SKIP() << "runs in a child process only";
     }
     ASSERT_TRUE(loaded_) << PluginPath() << ": " << dlerror();

@@ -194,7 +194,7 @@ class PluginState {
     return open_[device].load(std::memory_order_acquire);
   }
 
-  // The general path of an allocation (the hot one is MallocFast below):
+  // The general path of an allocation (the hot one is MallocEntry below):
   // the thread's session (opened on first use), one owned Allocate, the
   // trace. Null with *error set on failure.
   void* Malloc(std::size_t size, int device, StreamHandle stream,
@@ -220,8 +220,8 @@ class PluginState {
     return p->get();
   }
 
-  // The general path of a free (the hot one is ctxpool_free's first
-  // branch): one owned Deallocate that checks the size, and the trace.
+  // The general path of a free (the hot one is FreeEntry below): one owned
+  // Deallocate that checks the size, and the trace.
   absl::Status Free(void* ptr, std::size_t size, int device,
                     StreamHandle stream) ABSL_LOCKS_EXCLUDED(mu_) {
     const DevicePtr p = DevicePtr::From(ptr);
@@ -732,7 +732,6 @@ const char* Result(std::string text) {
   return tls_result.c_str();
 }
 
-// Null with *error set on failure.
 // The general path of an allocation: the state made on first use, then
 // PluginState::Malloc. Null with *error set on failure.
 ABSL_ATTRIBUTE_NOINLINE void* Malloc(size_t size, int device,

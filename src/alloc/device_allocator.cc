@@ -873,7 +873,6 @@ class CachingDeviceAllocator::Impl {
   absl::StatusOr<OwnerId> RegisterOwner(absl::string_view name,
                                         const OwnerOptions& options)
       ABSL_LOCKS_EXCLUDED(mu_) {
-    const std::size_t max_live_bytes = options.max_live_bytes;
     CTXPOOL_RETURN_IF_ERROR(
         fork_guard_.Check("CachingDeviceAllocator::RegisterOwner"));
     if (name.empty()) {
@@ -881,8 +880,8 @@ class CachingDeviceAllocator::Impl {
     }
     auto o = std::make_unique<OwnerRec>();
     o->name = std::string(name);
-    o->max = max_live_bytes;
-    o->chunk = CreditChunk(max_live_bytes);
+    o->max = options.max_live_bytes;
+    o->chunk = CreditChunk(options.max_live_bytes);
     o->record_times = options.record_times;
     SpinLockHolder lock(&mu_);
     if (owners_.size() >= kAnyOwner - 1) {
