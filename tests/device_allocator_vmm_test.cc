@@ -384,6 +384,24 @@ TEST_F(VmmTest, DeviceLimitCompactsInsteadOfFailing) {
   for (const auto& [p, s] : mix.live()) free(p);
 }
 
+// A cold stream maps ahead as a classic segment would: a 4 MiB request
+// (which would share a 20 MiB segment) maps 16 MiB. A request of 10 MiB or
+// more maps only itself, also when it extends that mapped free rest: 25 MiB
+// after it maps 14 MiB more (the 12 MiB free rest + 7 granules), not up to
+// the next 16 MiB.
+TEST_F(VmmTest, OnlyRequestsThatShareASegmentMapAhead) {
+  Init({}, 80 * kGiB);
+  DevicePtr a = Alloc(4 * kMiB, a1_);
+  EXPECT_EQ(Reserved(), 16 * kMiB);
+  DevicePtr b = Alloc(25 * kMiB, a1_);
+  EXPECT_EQ(b, a + 4 * kMiB);
+  EXPECT_EQ(Reserved(), 30 * kMiB);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 2u);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  Free(a);
+  Free(b);
+}
+
 // A 1 GiB tensor on a cold 80 GiB allocator comes in units of 64 MiB (a
 // power of two granules at most 1/1024 of the headroom): 16 cuMemCreate, 16
 // cuMemMap, one cuMemSetAccess; Trim unmaps and releases unit by unit.

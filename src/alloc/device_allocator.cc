@@ -3403,8 +3403,10 @@ class CachingDeviceAllocator::Impl {
   std::uint64_t MapAhead(const Placement& at, std::size_t rounded) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     // A request that gets a segment of its own in classic mode (>= 10 MiB)
-    // maps only itself; and nothing goes past the next block.
-    if (at.hi == at.u->end() || classes_.SegmentBytes(rounded) <= at.bytes()) {
+    // maps only itself, even when it extends a mapped free block (so maps
+    // less than a segment); and nothing goes past the next block.
+    if (at.hi == at.u->end() || classes_.OwnsSegment(rounded) ||
+        classes_.SegmentBytes(rounded) <= at.bytes()) {
       return at.hi;
     }
     const std::size_t unit = vmm_.UnitGranules(at.bytes() / granule_);

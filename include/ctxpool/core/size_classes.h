@@ -60,13 +60,16 @@ class SizeClasses {
   bool IsSmall(std::size_t rounded) const {
     return rounded <= c_.small_size_limit;
   }
+  // Whether a rounded request gets a segment of its own (a large one of
+  // large_own_segment_bytes or more, or too big to share a large segment).
+  bool OwnsSegment(std::size_t rounded) const {
+    return !IsSmall(rounded) && (rounded >= c_.large_own_segment_bytes ||
+                                 rounded > c_.large_segment_bytes);
+  }
   // The size of a new segment for a rounded request.
   std::size_t SegmentBytes(std::size_t rounded) const {
     if (IsSmall(rounded)) return c_.small_segment_bytes;
-    if (rounded < c_.large_own_segment_bytes &&
-        rounded <= c_.large_segment_bytes) {
-      return c_.large_segment_bytes;
-    }
+    if (!OwnsSegment(rounded)) return c_.large_segment_bytes;
     return RoundUpPow2(rounded, c_.large_round_bytes);
   }
   // Whether a free block of `block_size` may serve a rounded request
