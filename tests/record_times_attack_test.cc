@@ -467,6 +467,10 @@ TEST_P(RecordTimesAllocTest, ThreadsTimedAndUntimedOwnersShareStreams) {
   constexpr int kIters = 3000;
   std::atomic<bool> stop{false};
   std::atomic<int> bad{0};
+  // Listings taken so far. Each worker waits halfway, blocks in hand, until
+  // there is one, so at least one listing is taken mid-flight however the
+  // threads are scheduled.
+  std::atomic<int> listings{0};
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
@@ -475,6 +479,9 @@ TEST_P(RecordTimesAllocTest, ThreadsTimedAndUntimedOwnersShareStreams) {
       // take blocks the other one freed.
       std::vector<std::pair<DevicePtr, OwnerId>> mine;
       for (int i = 0; i < kIters; ++i) {
+        if (i == kIters / 2) {
+          while (listings.load() == 0) std::this_thread::yield();
+        }
         const OwnerId o = (rng() & 1) ? timed : untimed;
         const StreamHandle s = streams[(t + (rng() & 1)) % 4];
         const std::size_t bytes = (rng() % 4) * 4096 + (rng() % 600);
@@ -503,7 +510,6 @@ TEST_P(RecordTimesAllocTest, ThreadsTimedAndUntimedOwnersShareStreams) {
     });
   }
   // Listings while the threads run.
-  int listings = 0;
   std::thread lister([&] {
     while (!stop.load()) {
       absl::StatusOr<std::vector<OwnedBlock>> tb = alloc_->OwnedBlocks(timed);
@@ -521,7 +527,7 @@ TEST_P(RecordTimesAllocTest, ThreadsTimedAndUntimedOwnersShareStreams) {
       for (const OwnedBlock& b : *ub) {
         if (b.allocated_at_ns != 0) bad.fetch_add(1000);
       }
-      ++listings;
+      listings.fetch_add(1);
     }
   });
   for (std::thread& th : threads) th.join();
