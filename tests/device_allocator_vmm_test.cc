@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <random>
 #include <utility>
@@ -16,6 +17,7 @@
 #include "ctxpool/driver/sim_driver.h"
 #include "ctxpool/trace/recorder.h"
 #include "device_allocator_fixture.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace ctxpool {
@@ -24,6 +26,7 @@ namespace {
 constexpr std::size_t kGranule = 2 * kMiB;
 
 using test::SyncCalls;
+using ::testing::HasSubstr;
 
 class VmmTest : public test::DeviceAllocatorFixture {
  protected:
@@ -38,6 +41,13 @@ class VmmTest : public test::DeviceAllocatorFixture {
   std::size_t Reserved() {
     return static_cast<std::size_t>(
         alloc_->Stats().total.reserved_bytes[0].current);
+  }
+  // cuMemCreate, cuMemMap and cuMemSetAccess calls so far.
+  void ExpectVmmCalls(std::uint64_t creates, std::uint64_t maps,
+                      std::uint64_t access) {
+    EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), creates);
+    EXPECT_EQ(sim_->call_count(SimCall::kMemMap), maps);
+    EXPECT_EQ(sim_->call_count(SimCall::kMemSetAccess), access);
   }
   std::size_t Live() {
     return static_cast<std::size_t>(
@@ -178,6 +188,25 @@ TEST_F(VmmTest, NoVmmDeviceIsAPreconditionError) {
   o.backing = BackingMode::kExpandable;
   EXPECT_EQ(CachingDeviceAllocator::Create(*sim, 0, o).status().code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// A chunk holds at least one unit and at most 65536: anything else is
+// refused by name before a driver call.
+TEST_F(VmmTest, ChunkUnitsOutOfRangeAreRefused) {
+  for (std::size_t units : {std::size_t{0}, std::size_t{65537},
+                            std::numeric_limits<std::size_t>::max()}) {
+    DeviceAllocatorOptions o;
+    o.backing = BackingMode::kExpandable;
+    o.vmm_chunk_units = units;
+    absl::StatusOr<std::unique_ptr<CachingDeviceAllocator>> a =
+        CachingDeviceAllocator::Create(*sim_, 0, o);
+    EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(a.status().message(), HasSubstr("vmm_chunk_units"));
+  }
+  DeviceAllocatorOptions o;
+  o.backing = BackingMode::kExpandable;
+  o.vmm_chunk_units = 65536;
+  EXPECT_TRUE(CachingDeviceAllocator::Create(*sim_, 0, o).ok());
 }
 
 TEST_F(VmmTest, ResetUnmapsAndFreesTheRanges) {
@@ -384,6 +413,24 @@ TEST_F(VmmTest, DeviceLimitCompactsInsteadOfFailing) {
   for (const auto& [p, s] : mix.live()) free(p);
 }
 
+// A 512 MiB tensor on a cold 80 GiB allocator is mapped in units of 64 MiB
+// (a power of two granules at most 1/1024 of the headroom) from one
+// physical allocation (a chunk of up to 16 units): one cuMemCreate, 8
+// cuMemMap, one cuMemSetAccess. Trim unmaps unit by unit and releases the
+// chunk once all of it is unmapped.
+TEST_F(VmmTest, ColdTensorIsOneChunkMappedInUnits) {
+  Init({}, 80 * kGiB);
+  DevicePtr p = Alloc(512 * kMiB, a1_);
+  ExpectVmmCalls(1u, 8u, 1u);
+  EXPECT_EQ(Reserved(), 512 * kMiB);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  Free(p);
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemUnmap), 8u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 1u);
+  EXPECT_EQ(sim_->used_bytes(0), sim_->context_bytes(0));
+}
+
 // A cold stream maps ahead as a classic segment would: a 4 MiB request
 // (which would share a 20 MiB segment) maps 16 MiB. A request of 10 MiB or
 // more maps only itself, also when it extends that mapped free rest: 25 MiB
@@ -402,22 +449,28 @@ TEST_F(VmmTest, OnlyRequestsThatShareASegmentMapAhead) {
   Free(b);
 }
 
-// A 1 GiB tensor on a cold 80 GiB allocator comes in units of 64 MiB (a
-// power of two granules at most 1/1024 of the headroom): 16 cuMemCreate, 16
-// cuMemMap, one cuMemSetAccess; Trim unmaps and releases unit by unit.
-TEST_F(VmmTest, ColdLargeTensorComesInUnits) {
+// A huge run (1 GiB or more) maps in units up to 8 times coarser, at most
+// 1/8 of itself: a 7 GiB tensor on a cold 80 GiB allocator is 14 mappings
+// of 512 MiB (not 112 of 64 MiB) from one chunk; a 1 GiB one is 8 of
+// 128 MiB. vmm_chunk_units = 1 creates a physical allocation per unit.
+TEST_F(VmmTest, HugeTensorMapsInCoarserUnits) {
   Init({}, 80 * kGiB);
-  DevicePtr p = Alloc(1 * kGiB, a1_);
-  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 16u);
-  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 16u);
-  EXPECT_EQ(sim_->call_count(SimCall::kMemSetAccess), 1u);
-  EXPECT_EQ(Reserved(), 1 * kGiB);
+  DevicePtr p = Alloc(7 * kGiB, a1_);
+  ExpectVmmCalls(1u, 14u, 1u);
+  DevicePtr q = Alloc(1 * kGiB, a2_);
+  ExpectVmmCalls(2u, 14u + 8u, 2u);
   EXPECT_TRUE(alloc_->CheckInvariants().ok());
   Free(p);
+  Free(q);
   ASSERT_TRUE(alloc_->Trim(0).ok());
-  EXPECT_EQ(sim_->call_count(SimCall::kMemUnmap), 16u);
-  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 16u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 2u);
   EXPECT_EQ(sim_->used_bytes(0), sim_->context_bytes(0));
+
+  DeviceAllocatorOptions per_unit;
+  per_unit.vmm_chunk_units = 1;
+  Init(per_unit, 80 * kGiB);
+  Free(Alloc(7 * kGiB, a1_));
+  ExpectVmmCalls(14u, 14u, 1u);
 }
 
 // Near the limit (here memory_limit_bytes, 64 MiB above the tensor) units
@@ -428,39 +481,62 @@ TEST_F(VmmTest, UnitsAreSingleGranulesNearTheLimit) {
   o.memory_limit_bytes = 1 * kGiB + 64 * kMiB;
   Init(o, 80 * kGiB);
   Free(Alloc(1 * kGiB, a1_));
-  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 512u);
-  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 512u);
-  EXPECT_EQ(sim_->call_count(SimCall::kMemSetAccess), 1u);
+  ExpectVmmCalls(512u, 512u, 1u);
   DeviceAllocatorOptions single;
   single.vmm_unit_divisor = 0;
   Init(single, 80 * kGiB);
   Free(Alloc(64 * kMiB, a1_));
-  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 32u);
-  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 32u);
+  ExpectVmmCalls(32u, 32u, 1u);
 }
 
-// A unit is freed only whole: a live block on part of a unit keeps the unit
-// mapped (its free rest serves the stream without new memory) and Trim
-// gives back the others.
-TEST_F(VmmTest, TrimReleasesUnitsOnlyWhenWhollyFree) {
-  Init({}, 80 * kGiB);
-  Free(Alloc(1 * kGiB, a1_));
-  DevicePtr small = Alloc(10 * kMiB, a1_);  // at the start of unit 0
-  ASSERT_TRUE(alloc_->Trim(0).ok());
-  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 0u);
-  EXPECT_EQ(Reserved(), 64 * kMiB);  // the pinned unit
-  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 15u);
-  const std::uint64_t creates = sim_->call_count(SimCall::kMemCreate);
-  DevicePtr again = Alloc(40 * kMiB, a1_);  // in the unit's free rest
-  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), creates);
-  Free(again);
-  Free(small);
-  ASSERT_TRUE(alloc_->Trim(0).ok());
-  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 0u);
-  EXPECT_EQ(Reserved(), 0u);
-  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease),
-            sim_->call_count(SimCall::kMemCreate));
-  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+// A unit is unmapped only whole and a chunk released only whole. A live
+// block on part of a unit keeps the unit mapped (its free rest serves the
+// stream without new memory); Trim unmaps the other units, and releases
+// them only where no unit of their chunk stays mapped: with one chunk per
+// unit (vmm_chunk_units = 1) they go back to the driver, with 16 units per
+// chunk they stay cached and serve the next growth of any stream before a
+// cuMemCreate.
+TEST_F(VmmTest, TrimReleasesOnlyWhollyUnmappedChunks) {
+  for (std::size_t chunk_units : {std::size_t{1}, std::size_t{16}}) {
+    SCOPED_TRACE(chunk_units);
+    DeviceAllocatorOptions o;
+    o.vmm_chunk_units = chunk_units;
+    Init(o, 80 * kGiB);
+    Free(Alloc(1 * kGiB, a1_));  // 8 units of 128 MiB
+    EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 8u);
+    EXPECT_EQ(sim_->call_count(SimCall::kMemCreate),
+              chunk_units == 1 ? 8u : 1u);
+    DevicePtr small = Alloc(10 * kMiB, a1_);  // at the start of unit 0
+    EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 8u);
+    ASSERT_TRUE(alloc_->Trim(0).ok());
+    EXPECT_EQ(Reserved(), 128 * kMiB);  // the pinned unit
+    EXPECT_EQ(sim_->call_count(SimCall::kMemUnmap), 7u);
+    if (chunk_units == 1) {
+      EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 0u);
+      EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 7u);
+    } else {
+      EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 7 * 128 * kMiB);
+      EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 0u);
+    }
+    const std::uint64_t creates = sim_->call_count(SimCall::kMemCreate);
+    DevicePtr again = Alloc(40 * kMiB, a1_);  // in the unit's free rest
+    EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), creates);
+    // Another stream: 4 units of 64 MiB, new or from the cache.
+    DevicePtr other = Alloc(256 * kMiB, a2_);
+    EXPECT_EQ(sim_->call_count(SimCall::kMemCreate),
+              creates + (chunk_units == 1 ? 4u : 0u));
+    EXPECT_TRUE(alloc_->CheckInvariants().ok());
+    Free(other);
+    Free(again);
+    Free(small);
+    ASSERT_TRUE(alloc_->Trim(0).ok());
+    EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 0u);
+    EXPECT_EQ(Reserved(), 0u);
+    EXPECT_EQ(sim_->call_count(SimCall::kMemRelease),
+              sim_->call_count(SimCall::kMemCreate));
+    EXPECT_EQ(sim_->used_bytes(0), sim_->context_bytes(0));
+    EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  }
 }
 
 TEST_F(VmmTest, DriverFailuresLeaveTheBooksConsistent) {

@@ -92,13 +92,39 @@ TEST_F(ExpandableBackingTest, UnitsFollowTheHeadroom) {
   vmm_.reset();
 }
 
-// A run comes in units from its start: one cuMemCreate and one cuMemMap per
-// unit (the last one what is left), one cuMemSetAccess for the run; each
-// unit unmaps and is released on its own.
+// A huge run (1 GiB or more) may use units 8 times coarser, at most 1/8 of
+// itself; units and chunks never pass 2^31 granules (a piece counts them
+// in 32 bits), however large the device.
+TEST_F(ExpandableBackingTest, HugeRunsUseCoarserUnitsWithinBounds) {
+  const std::size_t kGiB = 1024 * kMiB;
+  Init({.unit_divisor = 1024, .capacity_bytes = 80 * kGiB});
+  EXPECT_EQ(vmm_->UnitGranules(256), 32u);    // 512 MiB: 79.5 GiB / 1024
+  EXPECT_EQ(vmm_->UnitGranules(512), 64u);    // 1 GiB: huge, 1/8 of it
+  EXPECT_EQ(vmm_->UnitGranules(3584), 256u);  // 7 GiB: 8/1024 of 73 GiB
+  EXPECT_EQ(vmm_->ChunkGranules(256), 16u * 256u);
+  vmm_.reset();
+  Init({.unit_divisor = 1,
+        .chunk_units = 65536,
+        .capacity_bytes = std::size_t{1} << 62});
+  EXPECT_EQ(vmm_->UnitGranules(0), ExpandableBacking::kMaxPieceGranules);
+  EXPECT_EQ(vmm_->UnitGranules(std::size_t{1} << 35),
+            ExpandableBacking::kMaxPieceGranules);
+  EXPECT_EQ(vmm_->ChunkGranules(ExpandableBacking::kMaxPieceGranules),
+            ExpandableBacking::kMaxPieceGranules);
+  EXPECT_EQ(vmm_->ChunkGranules(1u << 20),
+            ExpandableBacking::kMaxPieceGranules);
+  vmm_.reset();
+}
+
+// A run comes in units from its start: with a chunk per unit, one
+// cuMemCreate and one cuMemMap per unit (the last one what is left), one
+// cuMemSetAccess for the run; each unit unmaps and is released on its own.
 TEST_F(ExpandableBackingTest, RunsComeInUnits) {
   // 80 GiB capacity, divisor 1280: a unit is at most 64 MiB less a bit,
   // 31.9 granules: 16 (a power of two).
-  Init({.unit_divisor = 1280, .capacity_bytes = 80 * 1024 * kMiB});
+  Init({.unit_divisor = 1280,
+        .chunk_units = 1,
+        .capacity_bytes = 80 * 1024 * kMiB});
   ASSERT_EQ(vmm_->UnitGranules(70), 16u);
   // Granules [8, 78): [8, 24) [24, 40) [40, 56) [56, 72) [72, 78).
   ASSERT_TRUE(vmm_->MapRun(r_, 8, 70, &stuck_).ok());
@@ -130,6 +156,61 @@ TEST_F(ExpandableBackingTest, RunsComeInUnits) {
   EXPECT_EQ(Physical(), 0u);
   ASSERT_TRUE(vmm_->Unreserve(r_).ok());
   vmm_.reset();
+}
+
+// Chunks of 4 units: the run of 70 granules is two physical allocations
+// ([8, 72) and [72, 78)) mapped in the same 5 units. A unit unmaps on its
+// own into the cache, but its chunk is released only once none of it is
+// mapped; its cached unit is mapped again before any create.
+TEST_F(ExpandableBackingTest, ChunksHoldUnitsAndAreReleasedWhole) {
+  Init({.unit_divisor = 1280,
+        .chunk_units = 4,
+        .capacity_bytes = 80 * 1024 * kMiB});
+  ASSERT_EQ(vmm_->UnitGranules(70), 16u);
+  ASSERT_EQ(vmm_->ChunkGranules(16), 64u);
+  ASSERT_EQ(vmm_->ChunkGranules(1), 1u);  // single granules stay single
+  ASSERT_TRUE(vmm_->MapRun(r_, 8, 70, &stuck_).ok());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 2u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 5u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemSetAccess), 1u);
+  EXPECT_EQ(Physical(), 70 * kGranule);
+  EXPECT_EQ(r_->Handle(8), r_->Handle(71));
+  EXPECT_NE(r_->Handle(71), r_->Handle(72));
+  EXPECT_EQ(r_->Offset(40), 32u);
+  std::size_t n = 0;
+  ASSERT_TRUE(vmm_->UnmapPiece(r_, 24, &n).ok());
+  EXPECT_EQ(n, 16u);
+  std::size_t freed = 0;
+  ASSERT_TRUE(vmm_->Release(0, &freed).ok());
+  EXPECT_EQ(freed, 0u);  // the rest of its chunk is mapped
+  EXPECT_EQ(vmm_->cache_bytes(), 16 * kGranule);
+  ASSERT_TRUE(vmm_->MapRun(r_, 200, 16, &stuck_).ok());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 2u);  // the cached unit
+  EXPECT_EQ(vmm_->cache_bytes(), 0u);
+  ASSERT_TRUE(vmm_->CheckInvariants(vmm_->mapped_bytes()).ok());
+  UnmapAll();
+  ASSERT_TRUE(vmm_->Release(0, &freed).ok());
+  EXPECT_EQ(freed, 70 * kGranule);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemRelease), 2u);
+  EXPECT_EQ(Physical(), 0u);
+}
+
+// A chunk the device cannot supply whole falls back to a unit, then to
+// single granules, before the run fails.
+TEST_F(ExpandableBackingTest, ChunkTheDeviceCannotSupplyFallsBackToUnits) {
+  Init({.unit_divisor = 1280,
+        .chunk_units = 4,
+        .capacity_bytes = 80 * 1024 * kMiB});
+  sim_->InjectFault(SimCall::kMemCreate, 1, /*CUDA_ERROR_OUT_OF_MEMORY=*/2);
+  ASSERT_TRUE(vmm_->MapRun(r_, 0, 40, &stuck_).ok());
+  // The failed chunk of 40, then units of 16, 16 and what is left, 8.
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 1u + 3u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 3u);
+  EXPECT_EQ(Physical(), 40 * kGranule);
+  ASSERT_TRUE(vmm_->CheckInvariants(vmm_->mapped_bytes()).ok());
+  UnmapAll();
+  ASSERT_TRUE(vmm_->Release(0, nullptr).ok());
+  EXPECT_EQ(Physical(), 0u);
 }
 
 // Single granules (unit_divisor 0): one create and one map per granule.

@@ -331,6 +331,11 @@ TEST(ParseAllocatorConfig, SetsKnownKeysAndRejectsOthers) {
   EXPECT_THAT(ParseAllocatorConfig("vmm_unit_divisor=many", &o).message(),
               HasSubstr("vmm_unit_divisor must be a whole number"));
   EXPECT_FALSE(ParseAllocatorConfig("vmm_unit_divisor=-1", &o).ok());
+  ASSERT_TRUE(ParseAllocatorConfig("vmm_chunk_units=1", &o).ok());
+  EXPECT_EQ(o.vmm_chunk_units, 1u);
+  EXPECT_THAT(ParseAllocatorConfig("vmm_chunk_units=0", &o).message(),
+              HasSubstr("vmm_chunk_units must be a whole number from 1"));
+  EXPECT_FALSE(ParseAllocatorConfig("vmm_chunk_units=65537", &o).ok());
   EXPECT_FALSE(ParseAllocatorConfig("vmm_map_whole_chunks=true", &o).ok());
 }
 

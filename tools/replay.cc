@@ -60,6 +60,8 @@ void PrintReplayUsage(std::FILE* out) {
       "                     auto, as DeviceContext: expandable where the "
       "device has VMM),\n"
       "                     memory_limit=SIZE, max_split_size=64MiB,\n"
+      "                     vmm_unit_divisor=N (0: single granules), "
+      "vmm_chunk_units=N,\n"
       "                     round_bytes, small_size_limit, "
       "small_segment_bytes, large_segment_bytes,\n"
       "                     large_round_bytes\n"

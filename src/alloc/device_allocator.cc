@@ -188,6 +188,10 @@ thread_local bool tls_all_shards_held = false;
 // device's total, so sizes, charges and rounding stay far from overflow.
 constexpr std::size_t kMaxDeviceBytes = std::size_t{1} << 62;
 
+// The most units a physical allocation may hold (vmm_chunk_units), so that
+// a chunk's granule count (unit * chunk_units) cannot overflow.
+constexpr std::size_t kMaxVmmChunkUnits = 65536;
+
 // A shard's live map starts with room for this many blocks.
 constexpr std::size_t kInitialLiveCapacity = 256;
 
@@ -462,6 +466,11 @@ absl::Status ValidateDeviceAllocatorOptions(const DeviceAllocatorOptions& o) {
         o.round_bytes, o.small_size_limit, o.small_segment_bytes,
         o.large_segment_bytes, o.large_round_bytes));
   }
+  if (o.vmm_chunk_units < 1 || o.vmm_chunk_units > kMaxVmmChunkUnits) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("vmm_chunk_units must be between 1 and %d, not %d",
+                        kMaxVmmChunkUnits, o.vmm_chunk_units));
+  }
   return absl::OkStatus();
 }
 
@@ -506,6 +515,7 @@ class CachingDeviceAllocator::Impl {
         pages_(PageShift(options_)),
         vmm_(driver, device, granule,
              ExpandableOptions{options_.vmm_unit_divisor,
+                               options_.vmm_chunk_units,
                                options_.memory_limit_bytes, device_total},
              options_.clock) {
     auto t = std::make_unique<Tenant>();

@@ -63,8 +63,13 @@ std::size_t ExpandableBacking::UnitGranules(std::size_t n) const {
                               : options_.capacity_bytes;
   const std::size_t held = (mapped_granules_ + cache_granules_ + n) * granule_;
   if (held >= cap) return 1;
-  const std::size_t u = (cap - held) / options_.unit_divisor / granule_;
-  return u <= 1 ? 1 : absl::bit_floor(u);
+  const std::size_t headroom = (cap - held) / granule_;
+  std::size_t u = headroom / options_.unit_divisor;
+  if (n * granule_ >= kHugeRunBytes) {
+    u = std::max(u, std::min(headroom / options_.unit_divisor * kHugeFactor,
+                             n / kHugeFactor));
+  }
+  return u <= 1 ? 1 : std::min(absl::bit_floor(u), kMaxPieceGranules);
 }
 
 absl::Status ExpandableBacking::AcquirePieces(
@@ -88,17 +93,19 @@ absl::Status ExpandableBacking::AcquirePieces(
       CheckMemoryLimit("cuMemCreate", options_.memory_limit_bytes,
                        (mapped_granules_ + cache_granules_ + got) * granule_,
                        (n - got) * granule_));
-  // One allocation per unit, counted from the run's start.
+  // One allocation per chunk, counted from the run's start.
+  std::size_t chunk = ChunkGranules(unit);
   while (got < n) {
     const auto count = static_cast<std::uint32_t>(
-        std::min(unit - (got - cached) % unit, n - got));
+        std::min(chunk - (got - cached) % chunk, n - got));
     absl::StatusOr<PhysicalMemHandle> created =
         driver_.MemCreate(count * granule_, device_);
     if (!created.ok()) {
-      // A unit the device cannot supply in one piece may still fit in
-      // granules: the rest goes single before the caller reclaims.
+      // A chunk the device cannot supply in one piece may still fit in
+      // units, and a unit in granules: the rest goes smaller before the
+      // caller reclaims.
       if (count > 1 && IsOutOfMemory(created.status())) {
-        unit = 1;
+        chunk = count > unit ? unit : 1;
         continue;
       }
       return created.status();

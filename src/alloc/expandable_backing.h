@@ -12,17 +12,21 @@
 // the cache. The allocator keeps the block logic (which free block a run
 // serves, what to reclaim) and the stats.
 //
-// Units. New memory is created and mapped in units of at most a power of
-// two granules, one cuMemCreate and one cuMemMap each. A unit is also the
-// smallest amount that can move later: a mapping unmaps only whole and a
-// physical allocation is freed only whole. UnitGranules() sizes it from the
-// headroom: at most 1/unit_divisor of the memory still free (capacity_bytes, or
-// memory_limit_bytes when set, less what the backing holds). Far from the
-// limit, units are large and a cold run costs a few calls (a 1 GiB tensor on
-// an empty 80 GB device: 16 of each kind); near it, units are single
-// granules, which is what lets every free granule move to where it is needed
-// (the OOM frontier at the physical limit). Cached pieces keep their
-// physical allocation; one reused near the limit is mapped in granules.
+// Units and chunks. New memory is mapped in units of at most a power of two
+// granules, one cuMemMap each. A unit is also the smallest amount that can
+// move later: a mapping unmaps only whole. UnitGranules() sizes it from the
+// headroom: at most 1/unit_divisor of the memory still free (capacity_bytes,
+// or memory_limit_bytes when set, less what the backing holds). Far from the
+// limit, units are large and a cold run costs a few maps (a 1 GiB tensor on
+// an empty 80 GB device: 16); near it, units are single granules, which is
+// what lets every free granule move to where it is needed (the OOM frontier
+// at the physical limit). Physical memory is created in chunks of up to
+// chunk_units units (that tensor: one cuMemCreate; single granules stay
+// single). Moving memory does not need a chunk to be whole: a unmapped unit
+// is a cached piece (allocation, offset, count), mapped again anywhere, in
+// the unit of the moment. Only giving memory back to the driver does: a
+// chunk is released once none of it is mapped, so Trim and decay are as
+// precise as the chunks.
 //
 //   ExpandableBacking vmm(driver, device, granule, options, now);
 //   VmmRange* r = *vmm.Reserve(2 * device_bytes);
@@ -203,6 +207,9 @@ struct ExpandableOptions {
   // DeviceAllocatorOptions::vmm_unit_divisor: a unit is at most this
   // fraction of the headroom (0: always single granules).
   std::size_t unit_divisor = 1024;
+  // DeviceAllocatorOptions::vmm_chunk_units: a new physical allocation is
+  // at most this many units (single granules stay single).
+  std::size_t chunk_units = 16;
   std::size_t memory_limit_bytes = 0;  // ...::memory_limit_bytes (0: none)
   // The memory the headroom is measured against when there is no limit:
   // the device's total memory.
@@ -237,17 +244,33 @@ class ExpandableBacking {
   // counted as leaked (its physical allocations keep those granules).
   void Forget(VmmRange* r);
 
+  // A run of at least kHugeRunBytes may map in units kHugeFactor times
+  // coarser (at most kHugeFactor/unit_divisor of the headroom), but at most
+  // 1/kHugeFactor of the run. See the banner.
+  static constexpr std::size_t kHugeRunBytes = std::size_t{1} << 30;
+  static constexpr std::size_t kHugeFactor = 8;
+  // Units and chunks are at most this many granules (pieces count granules
+  // in 32 bits).
+  static constexpr std::size_t kMaxPieceGranules = std::size_t{1} << 31;
+
   // The unit, in granules, for mapping `n` more granules now: the largest
-  // power of two at most 1/unit_divisor of the headroom left after them (at
-  // least 1). See the banner.
+  // power of two at most 1/unit_divisor of the headroom left after them (a
+  // huge run: see kHugeRunBytes), at least 1. See the banner.
   std::size_t UnitGranules(std::size_t n) const;
+  // The most granules one new physical allocation holds when the unit is
+  // `unit`: chunk_units units, or one granule when units are single.
+  std::size_t ChunkGranules(std::size_t unit) const {
+    return unit <= 1 ? 1
+                     : std::min(unit * options_.chunk_units, kMaxPieceGranules);
+  }
 
   // Maps granules [i0, i0 + n) of `r` (all unmapped): cached pieces first
   // (most recently unmapped; the last one split if larger than what is
-  // left), then new physical allocations of one unit each (UnitGranules(n),
-  // the last one what is left; one the device cannot supply whole falls
-  // back to single granules). One cuMemMap per piece, a cached piece larger
-  // than the unit cut into units, and one cuMemSetAccess for the run.
+  // left), then new physical allocations of one chunk each
+  // (ChunkGranules(UnitGranules(n)), the last one what is left; one the
+  // device cannot supply whole falls back to a unit, then to single
+  // granules). One cuMemMap per unit of each piece and one cuMemSetAccess
+  // for the run.
   // Growth past memory_limit_bytes fails as the driver's out-of-memory
   // would. On failure everything is rolled back into the cache except the
   // pieces in *stuck, which could be neither given access nor unmapped and
@@ -282,8 +305,8 @@ class ExpandableBacking {
     cache_.push_back(p);
     cache_granules_ += p.count;
   }
-  // Cached pieces, then new allocations of `unit` granules (the last one
-  // what is left), for a run of `n` granules, in order.
+  // Cached pieces, then new allocations of up to a chunk (the last one what
+  // is left), for a run of `n` granules mapped in units of `unit`, in order.
   absl::Status AcquirePieces(std::size_t n, std::size_t unit,
                              std::vector<CachedPiece>* pieces);
   // Release's loop over the allocations `pick(handle)` accepts.

@@ -570,15 +570,31 @@ absl::Status ParseAllocatorConfig(absl::string_view text,
     std::size_t* field = nullptr;
     if (key == "max_split_size") field = &options->max_split_size;
     if (key == "memory_limit") field = &options->memory_limit_bytes;
-    if (key == "vmm_unit_divisor") {
+    // Counts, each with its range.
+    struct Count {
+      absl::string_view name;
+      std::size_t* field;
+      std::uint64_t lo, hi;
+      absl::string_view what;
+    };
+    const Count counts[] = {
+        {"vmm_unit_divisor", &options->vmm_unit_divisor, 0,
+         std::uint64_t{1} << 40, "a whole number (0: single granules)"},
+        {"vmm_chunk_units", &options->vmm_chunk_units, 1, 65536,
+         "a whole number from 1 to 65536"},
+    };
+    const Count* count = nullptr;
+    for (const Count& c : counts) {
+      if (key == c.name) count = &c;
+    }
+    if (count != nullptr) {
       std::uint64_t n = 0;
-      if (!absl::SimpleAtoi(value, &n) || n > (std::uint64_t{1} << 40)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "--config: vmm_unit_divisor must be a whole number (0: single "
-            "granules), not '",
-            value, "'"));
+      if (!absl::SimpleAtoi(value, &n) || n < count->lo || n > count->hi) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--config: ", count->name, " must be ", count->what,
+                         ", not '", value, "'"));
       }
-      options->vmm_unit_divisor = static_cast<std::size_t>(n);
+      *count->field = static_cast<std::size_t>(n);
       continue;
     }
     if (key == "round_bytes") field = &options->round_bytes;
@@ -590,7 +606,7 @@ absl::Status ParseAllocatorConfig(absl::string_view text,
       return absl::InvalidArgumentError(absl::StrCat(
           "--config: unknown key '", key,
           "' (known: backing, memory_limit, vmm_unit_divisor, "
-          "max_split_size, round_bytes, "
+          "vmm_chunk_units, max_split_size, round_bytes, "
           "small_size_limit, small_segment_bytes, large_segment_bytes, "
           "large_round_bytes)"));
     }

@@ -229,17 +229,24 @@ struct DeviceAllocatorOptions {
   // OOM report). 0: the device's capacity. DeviceContext reads
   // CTXPOOL_MEMORY_LIMIT.
   std::size_t memory_limit_bytes = 0;
-  // Expandable backing: new memory is created and mapped in units of a
-  // power of two granules (one cuMemCreate and one cuMemMap each), and a
-  // unit is also the least that can move later: a mapping unmaps only whole
-  // and a physical allocation is freed only whole. A unit is at most
+  // Expandable backing: new memory is mapped in units of a power of two
+  // granules (one cuMemMap each), and a unit is also the least that can
+  // move later: a mapping unmaps only whole. A unit is at most
   // 1/vmm_unit_divisor of the memory still free (the device's total memory,
   // or memory_limit_bytes, less what the allocator holds): large while
-  // memory is plentiful (a cold 1 GiB tensor on an empty 80 GB device costs
-  // 16 calls of each kind, and a cold stream maps ahead like a classic
-  // segment), single granules near the limit, where every free granule must
-  // be able to move to where it is needed. 0: always single granules.
+  // memory is plentiful (a cold 1 GiB tensor on an empty 80 GB device is 16
+  // mappings, and a cold stream maps ahead like a classic segment), single
+  // granules near the limit, where every free granule must be able to move
+  // to where it is needed. 0: always single granules.
   std::size_t vmm_unit_divisor = 1024;
+  // Expandable backing: new physical memory is created in chunks of up to
+  // this many units (one cuMemCreate each; single granules stay single), so
+  // the 1 GiB tensor above costs one cuMemCreate. The driver frees a
+  // physical allocation only whole: Trim and decay give a chunk back once
+  // none of it is mapped, so a live block keeps its chunk's cached rest
+  // (reused by any stream before new memory is created). 1: a chunk per
+  // unit, as precise as the units. Between 1 and 65536.
+  std::size_t vmm_chunk_units = 16;
   // The context to make current for driver calls; null means retain the
   // device's primary context (released at destruction).
   ContextHandle context;

@@ -219,7 +219,8 @@ absl::StatusOr<CapacitySearch> FindMinCapacity(const Trace& trace,
 
 // Parses "key=value,key=value" into `options`. Keys: backing
 // (auto|classic|expandable), memory_limit (0: none), vmm_unit_divisor (a
-// whole number; 0: single granules), max_split_size, round_bytes,
+// whole number; 0: single granules), vmm_chunk_units (1 to 65536),
+// max_split_size, round_bytes,
 // small_size_limit, small_segment_bytes, large_segment_bytes,
 // large_round_bytes; sizes accept units (64MiB). INVALID_ARGUMENT naming
 // the bad key or value, or options ValidateDeviceAllocatorOptions refuses.
