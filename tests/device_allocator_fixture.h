@@ -51,13 +51,17 @@ inline std::string BackingName(
 
 class DeviceAllocatorFixture : public ::testing::Test {
  protected:
-  // A fresh device of `capacity` bytes and allocator; options.clock, unless
-  // set, reads now_.
-  void InitAllocator(std::size_t capacity, DeviceAllocatorOptions o) {
+  // A fresh device of `capacity` bytes (its context `context_bytes` of it;
+  // VMM granularity `granularity`, 0: the spec's default) and allocator;
+  // options.clock, unless set, reads now_.
+  void InitAllocator(std::size_t capacity, DeviceAllocatorOptions o,
+                     std::size_t context_bytes = 0,
+                     std::size_t granularity = 0) {
     alloc_.reset();
     SimDeviceSpec spec;
     spec.capacity_bytes = capacity;
-    spec.context_overhead_bytes = 0;
+    spec.context_overhead_bytes = context_bytes;
+    if (granularity != 0) spec.vmm_granularity = granularity;
     sim_ = SimDriver::Create({.devices = {spec}});
     ctx_ = *sim_->PrimaryCtxRetain(0);
     ASSERT_TRUE(sim_->CtxSetCurrent(ctx_).ok());

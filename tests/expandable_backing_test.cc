@@ -250,15 +250,26 @@ TEST_F(ExpandableBackingTest, CachedPieceMapsInTheUnitOfTheMoment) {
   ASSERT_EQ(vmm_->UnitGranules(8), 8u);
   ASSERT_TRUE(vmm_->MapRun(r_, 0, 8, &stuck_).ok());  // one unit of 8
   ASSERT_EQ(sim_->call_count(SimCall::kMemMap), 1u);
-  UnmapAll();
-  ASSERT_EQ(vmm_->UnitGranules(7), 1u);  // 2 MiB would be left
+  ASSERT_EQ(vmm_->UnitGranules(7), 1u);                // 2 MiB would be left
+  ASSERT_TRUE(vmm_->MapRun(r_, 50, 7, &stuck_).ok());  // 7 new granules
+  ASSERT_EQ(sim_->call_count(SimCall::kMemCreate), 1u + 7u);
+  std::size_t n = 0;
+  ASSERT_TRUE(vmm_->UnmapPiece(r_, 0, &n).ok());  // the unit of 8, cached
+  ASSERT_EQ(n, 8u);
+  // 7 of the cached 8 granules leave 2 MiB of the limit, as before: held
+  // are 7 mapped and 8 cached, none new.
+  ASSERT_EQ(vmm_->UnitGranules(7), 1u);
   ASSERT_TRUE(vmm_->MapRun(r_, 200, 7, &stuck_).ok());
-  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 1u);  // the cached one
-  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 1u + 7u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemCreate), 1u + 7u);  // no new one
+  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), 1u + 7u + 7u);
   EXPECT_EQ(vmm_->cache_bytes(), kGranule);
   UnmapAll();
+  // All 15 granules cached: 7 of them still leave 2 MiB (the cache is held
+  // memory), but once it is released 7 new ones leave 18 MiB.
+  EXPECT_EQ(vmm_->UnitGranules(7), 1u);
   ASSERT_TRUE(vmm_->Release(0, nullptr).ok());
   EXPECT_EQ(Physical(), 0u);
+  EXPECT_EQ(vmm_->UnitGranules(7), 8u);
 }
 
 // Growth past memory_limit_bytes fails as the driver's out-of-memory would,

@@ -61,13 +61,20 @@ std::size_t ExpandableBacking::UnitGranules(std::size_t n) const {
   const std::size_t cap = options_.memory_limit_bytes != 0
                               ? options_.memory_limit_bytes
                               : options_.capacity_bytes;
-  const std::size_t held = (mapped_granules_ + cache_granules_ + n) * granule_;
+  // What the backing holds after the run: what it maps and caches now, and
+  // what the run needs beyond the cache (cached granules it maps are held
+  // already, not again).
+  const std::size_t fresh = n > cache_granules_ ? n - cache_granules_ : 0;
+  const std::size_t held =
+      (mapped_granules_ + cache_granules_ + fresh) * granule_;
   if (held >= cap) return 1;
   const std::size_t headroom = (cap - held) / granule_;
   std::size_t u = headroom / options_.unit_divisor;
-  if (n * granule_ >= kHugeRunBytes) {
-    u = std::max(u, std::min(headroom / options_.unit_divisor * kHugeFactor,
-                             n / kHugeFactor));
+  // A huge run goes coarser only where units are already coarse: near the
+  // limit, where they are single granules, they stay so (every free granule
+  // of the huge run must be able to move later).
+  if (u >= 2 && n * granule_ >= kHugeRunBytes) {
+    u = std::max(u, std::min(u * kHugeFactor, n / kHugeFactor));
   }
   return u <= 1 ? 1 : std::min(absl::bit_floor(u), kMaxPieceGranules);
 }

@@ -17,16 +17,17 @@
 // move later: a mapping unmaps only whole. UnitGranules() sizes it from the
 // headroom: at most 1/unit_divisor of the memory still free (capacity_bytes,
 // or memory_limit_bytes when set, less what the backing holds). Far from the
-// limit, units are large and a cold run costs a few maps (a 1 GiB tensor on
-// an empty 80 GB device: 16); near it, units are single granules, which is
-// what lets every free granule move to where it is needed (the OOM frontier
-// at the physical limit). Physical memory is created in chunks of up to
-// chunk_units units (that tensor: one cuMemCreate; single granules stay
-// single). Moving memory does not need a chunk to be whole: a unmapped unit
-// is a cached piece (allocation, offset, count), mapped again anywhere, in
-// the unit of the moment. Only giving memory back to the driver does: a
-// chunk is released once none of it is mapped, so Trim and decay are as
-// precise as the chunks.
+// limit, units are large and a cold run costs a few maps (a 512 MiB tensor
+// on an empty 80 GB device: 8; a huge run, 1 GiB or more, may use units up
+// to 8 times coarser but at most 1/8 of itself); near it, units are single
+// granules, huge runs' too, which is what lets every free granule move to
+// where it is needed (the OOM frontier at the physical limit). Physical
+// memory is created in chunks of up to chunk_units units (that tensor: one
+// cuMemCreate; single granules stay single). Moving memory does not need a
+// chunk to be whole: a unmapped unit is a cached piece (allocation, offset,
+// count), mapped again anywhere, in the unit of the moment. Only giving memory
+// back to the driver does: a chunk is released once none of it is mapped, so
+// Trim and decay are as precise as the chunks.
 //
 //   ExpandableBacking vmm(driver, device, granule, options, now);
 //   VmmRange* r = *vmm.Reserve(2 * device_bytes);
@@ -246,7 +247,8 @@ class ExpandableBacking {
 
   // A run of at least kHugeRunBytes may map in units kHugeFactor times
   // coarser (at most kHugeFactor/unit_divisor of the headroom), but at most
-  // 1/kHugeFactor of the run. See the banner.
+  // 1/kHugeFactor of the run, where units are not single granules. See the
+  // banner.
   static constexpr std::size_t kHugeRunBytes = std::size_t{1} << 30;
   static constexpr std::size_t kHugeFactor = 8;
   // Units and chunks are at most this many granules (pieces count granules
@@ -254,8 +256,9 @@ class ExpandableBacking {
   static constexpr std::size_t kMaxPieceGranules = std::size_t{1} << 31;
 
   // The unit, in granules, for mapping `n` more granules now: the largest
-  // power of two at most 1/unit_divisor of the headroom left after them (a
-  // huge run: see kHugeRunBytes), at least 1. See the banner.
+  // power of two at most 1/unit_divisor of the headroom left after them
+  // (those the cache supplies are held already; a huge run: see
+  // kHugeRunBytes), at least 1. See the banner.
   std::size_t UnitGranules(std::size_t n) const;
   // The most granules one new physical allocation holds when the unit is
   // `unit`: chunk_units units, or one granule when units are single.

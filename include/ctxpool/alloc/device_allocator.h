@@ -234,10 +234,12 @@ struct DeviceAllocatorOptions {
   // move later: a mapping unmaps only whole. A unit is at most
   // 1/vmm_unit_divisor of the memory still free (the device's total memory,
   // or memory_limit_bytes, less what the allocator holds): large while
-  // memory is plentiful (a cold 1 GiB tensor on an empty 80 GB device is 16
+  // memory is plentiful (a cold 512 MiB tensor on an empty 80 GB device is 8
   // mappings, and a cold stream maps ahead like a classic segment), single
   // granules near the limit, where every free granule must be able to move
-  // to where it is needed. 0: always single granules.
+  // to where it is needed. A run of 1 GiB or more may use units up to 8
+  // times coarser, at most 1/8 of itself, where units are not single
+  // granules (a cold 7 GiB tensor: 14 mappings). 0: always single granules.
   std::size_t vmm_unit_divisor = 1024;
   // Expandable backing: new physical memory is created in chunks of up to
   // this many units (one cuMemCreate each; single granules stay single), so
