@@ -15,7 +15,6 @@
 #include <memory>
 #include <random>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -25,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
+#include "alloc_test_support.h"
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "ctxpool/trace/replay.h"
@@ -443,41 +443,36 @@ TEST_F(VmmChunksAttackTest, RandomPressureKeepsTheBooks) {
 // once (one also trims) on a roomy device: no failure, books hold, all back.
 TEST_F(VmmChunksAttackTest, ConcurrentHugeAndSmallAllocations) {
   Init({}, 80 * kGiB);
-  constexpr int kThreads = 4;
-  std::vector<std::thread> threads;
-  for (int w = 0; w < kThreads; ++w) {
-    threads.emplace_back([this, w] {
-      ASSERT_TRUE(sim_->CtxSetCurrent(ctx_).ok());
-      std::mt19937_64 rng(100 + w);
-      std::vector<std::pair<DevicePtr, std::size_t>> live;
-      for (int i = 0; i < 120; ++i) {
-        if (live.size() < 4 && rng() % 2 == 0) {
-          static constexpr std::size_t kSizes[] = {
-              4096,     700 * kKiB, 12 * kMiB,       300 * kMiB,
-              kGiB - 1, kGiB,       kGiB + 5 * kMiB, 3 * kGiB};
-          const std::size_t bytes = kSizes[rng() % 8] + rng() % 4096;
-          absl::StatusOr<DevicePtr> p = alloc_->Allocate(bytes, s(w));
-          EXPECT_TRUE(p.ok()) << p.status();
-          if (!p.ok()) continue;
-          EXPECT_TRUE(sim_->Touch(s(w), *p, bytes).ok());
-          live.emplace_back(*p, bytes);
-        } else if (!live.empty()) {
-          const std::size_t k = rng() % live.size();
-          EXPECT_TRUE(alloc_->Deallocate(live[k].first).ok());
-          live[k] = live.back();
-          live.pop_back();
+  testing_internal::RunOnThreads(
+      *sim_, ctx_, /*num_threads=*/4, [&](int w, StreamHandle st) {
+        std::mt19937_64 rng(100 + w);
+        std::vector<std::pair<DevicePtr, std::size_t>> live;
+        for (int i = 0; i < 120; ++i) {
+          if (live.size() < 4 && rng() % 2 == 0) {
+            static constexpr std::size_t kSizes[] = {
+                4096,     700 * kKiB, 12 * kMiB,       300 * kMiB,
+                kGiB - 1, kGiB,       kGiB + 5 * kMiB, 3 * kGiB};
+            const std::size_t bytes = kSizes[rng() % 8] + rng() % 4096;
+            absl::StatusOr<DevicePtr> p = alloc_->Allocate(bytes, st);
+            EXPECT_TRUE(p.ok()) << p.status();
+            if (!p.ok()) continue;
+            EXPECT_TRUE(sim_->Touch(st, *p, bytes).ok());
+            live.emplace_back(*p, bytes);
+          } else if (!live.empty()) {
+            const std::size_t k = rng() % live.size();
+            EXPECT_TRUE(alloc_->Deallocate(live[k].first).ok());
+            live[k] = live.back();
+            live.pop_back();
+          }
+          if (w == 0 && i % 15 == 0) {
+            EXPECT_TRUE(alloc_->Trim(i % 2 == 0 ? 0 : kGiB).ok());
+            EXPECT_TRUE(alloc_->TrimIdle().ok());
+          }
         }
-        if (w == 0 && i % 15 == 0) {
-          EXPECT_TRUE(alloc_->Trim(i % 2 == 0 ? 0 : kGiB).ok());
-          EXPECT_TRUE(alloc_->TrimIdle().ok());
+        for (const auto& [p, bytes] : live) {
+          EXPECT_TRUE(alloc_->Deallocate(p).ok());
         }
-      }
-      for (const auto& [p, bytes] : live) {
-        EXPECT_TRUE(alloc_->Deallocate(p).ok());
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
+      });
   EXPECT_TRUE(Books().ok()) << Books();
   ExpectAllReturned();
 }
@@ -488,37 +483,32 @@ TEST_F(VmmChunksAttackTest, ConcurrentHugeAllocationsUnderALimit) {
   DeviceAllocatorOptions o;
   o.memory_limit_bytes = 6 * kGiB;
   Init(o, 64 * kGiB);
-  constexpr int kThreads = 4;
-  std::vector<std::thread> threads;
-  for (int w = 0; w < kThreads; ++w) {
-    threads.emplace_back([this, w] {
-      ASSERT_TRUE(sim_->CtxSetCurrent(ctx_).ok());
-      std::mt19937_64 rng(200 + w);
-      std::vector<DevicePtr> live;
-      for (int i = 0; i < 80; ++i) {
-        if (live.size() < 3 && rng() % 2 == 0) {
-          static constexpr std::size_t kSizes[] = {
-              64 * kKiB, 24 * kMiB, 500 * kMiB, kGiB, 1536 * kMiB};
-          absl::StatusOr<DevicePtr> p =
-              alloc_->Allocate(kSizes[rng() % 5], s(w));
-          if (p.ok()) {
-            live.push_back(*p);
-          } else {
-            EXPECT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted)
-                << p.status();
+  testing_internal::RunOnThreads(
+      *sim_, ctx_, /*num_threads=*/4, [&](int w, StreamHandle st) {
+        std::mt19937_64 rng(200 + w);
+        std::vector<DevicePtr> live;
+        for (int i = 0; i < 80; ++i) {
+          if (live.size() < 3 && rng() % 2 == 0) {
+            static constexpr std::size_t kSizes[] = {
+                64 * kKiB, 24 * kMiB, 500 * kMiB, kGiB, 1536 * kMiB};
+            absl::StatusOr<DevicePtr> p =
+                alloc_->Allocate(kSizes[rng() % 5], st);
+            if (p.ok()) {
+              live.push_back(*p);
+            } else {
+              EXPECT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted)
+                  << p.status();
+            }
+            EXPECT_LE(alloc_->PhysicalBytes(), 6 * kGiB);
+          } else if (!live.empty()) {
+            const std::size_t k = rng() % live.size();
+            EXPECT_TRUE(alloc_->Deallocate(live[k]).ok());
+            live[k] = live.back();
+            live.pop_back();
           }
-          EXPECT_LE(alloc_->PhysicalBytes(), 6 * kGiB);
-        } else if (!live.empty()) {
-          const std::size_t k = rng() % live.size();
-          EXPECT_TRUE(alloc_->Deallocate(live[k]).ok());
-          live[k] = live.back();
-          live.pop_back();
         }
-      }
-      for (DevicePtr p : live) EXPECT_TRUE(alloc_->Deallocate(p).ok());
-    });
-  }
-  for (std::thread& t : threads) t.join();
+        for (DevicePtr p : live) EXPECT_TRUE(alloc_->Deallocate(p).ok());
+      });
   EXPECT_TRUE(Books().ok()) << Books();
   ExpectAllReturned();
 }

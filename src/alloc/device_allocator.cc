@@ -188,10 +188,6 @@ thread_local bool tls_all_shards_held = false;
 // device's total, so sizes, charges and rounding stay far from overflow.
 constexpr std::size_t kMaxDeviceBytes = std::size_t{1} << 62;
 
-// The most units a physical allocation may hold (vmm_chunk_units), so that
-// a chunk's granule count (unit * chunk_units) cannot overflow.
-constexpr std::size_t kMaxVmmChunkUnits = 65536;
-
 // A shard's live map starts with room for this many blocks.
 constexpr std::size_t kInitialLiveCapacity = 256;
 

@@ -575,13 +575,13 @@ absl::Status ParseAllocatorConfig(absl::string_view text,
       absl::string_view name;
       std::size_t* field;
       std::uint64_t lo, hi;
-      absl::string_view what;
+      std::string what;
     };
     const Count counts[] = {
         {"vmm_unit_divisor", &options->vmm_unit_divisor, 0,
          std::uint64_t{1} << 40, "a whole number (0: single granules)"},
-        {"vmm_chunk_units", &options->vmm_chunk_units, 1, 65536,
-         "a whole number from 1 to 65536"},
+        {"vmm_chunk_units", &options->vmm_chunk_units, 1, kMaxVmmChunkUnits,
+         absl::StrCat("a whole number from 1 to ", kMaxVmmChunkUnits)},
     };
     const Count* count = nullptr;
     for (const Count& c : counts) {

@@ -207,6 +207,10 @@ struct OomReport {
 // call Deallocate and Trim.
 using OomCallback = std::function<bool(const OomReport&)>;
 
+// The most units DeviceAllocatorOptions::vmm_chunk_units may name, so that a
+// chunk's granule count (unit * units) cannot overflow.
+inline constexpr std::size_t kMaxVmmChunkUnits = 65536;
+
 struct DeviceAllocatorOptions {
   std::size_t round_bytes = 512;
   std::size_t small_size_limit = 1 << 20;  // <= goes to the small pool
@@ -247,7 +251,7 @@ struct DeviceAllocatorOptions {
   // physical allocation only whole: Trim and decay give a chunk back once
   // none of it is mapped, so a live block keeps its chunk's cached rest
   // (reused by any stream before new memory is created). 1: a chunk per
-  // unit, as precise as the units. Between 1 and 65536.
+  // unit, as precise as the units. Between 1 and kMaxVmmChunkUnits.
   std::size_t vmm_chunk_units = 16;
   // The context to make current for driver calls; null means retain the
   // device's primary context (released at destruction).
