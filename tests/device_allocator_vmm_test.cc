@@ -357,6 +357,37 @@ TEST_F(VmmTest, GrowthExtendsMappedFreeBlocksWithoutUnmapping) {
   EXPECT_TRUE(alloc_->CheckInvariants().ok());
 }
 
+// A request no mapped free block holds extends the largest mapped free
+// block into the unmapped hole beside it when that maps less, even where a
+// smaller hole elsewhere could hold the whole request.
+TEST_F(VmmTest, GrowthExtendsAMappedFreeBlockBeforeAWholeHole) {
+  // [l1 10][m 40][b 60][l2 10][a 56][l3 10] MiB, back to back.
+  DevicePtr l1 = Alloc(10 * kMiB, a1_);
+  DevicePtr m = Alloc(40 * kMiB, a1_);
+  DevicePtr b = Alloc(60 * kMiB, a1_);
+  DevicePtr l2 = Alloc(10 * kMiB, a1_);
+  DevicePtr a = Alloc(56 * kMiB, a1_);
+  DevicePtr l3 = Alloc(10 * kMiB, a1_);
+  ASSERT_EQ(m, l1 + 10 * kMiB);
+  ASSERT_EQ(b, m + 40 * kMiB);
+  ASSERT_EQ(a, l2 + 10 * kMiB);
+  ASSERT_EQ(l3, a + 56 * kMiB);
+  // Holes of 60 and 56 MiB, unmapped, then m free and mapped beside b's.
+  Free(b);
+  Free(a);
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  Free(m);
+  ASSERT_EQ(Reserved(), 70 * kMiB);
+  const std::uint64_t unmaps = sim_->call_count(SimCall::kMemUnmap);
+  // 50 MiB: a whole hole maps 50 MiB; extending m maps 10.
+  DevicePtr p = Alloc(50 * kMiB, a1_);
+  EXPECT_EQ(p, m);
+  EXPECT_EQ(Reserved(), 80 * kMiB);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemUnmap), unmaps);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  for (DevicePtr q : {p, l1, l2, l3}) Free(q);
+}
+
 // Under memory_limit_bytes the allocator compacts (free granules of either
 // stream move through the cache to where they are needed) instead of
 // failing, and never holds more than the limit.

@@ -3338,9 +3338,10 @@ class CachingDeviceAllocator::Impl {
   // unmapped block with, possibly, a mapped free block on either side (the
   // partial granules a reclaim leaves); a placement maps the fewest new
   // bytes that make one free block of at least `rounded`. Candidates: the
-  // range's tail (the largest unmapped block) and up to kProbes unmapped
+  // range's tail (the largest unmapped block), up to kProbes unmapped
   // blocks from the smallest that could serve with both neighbours (4
-  // granules under the request) upward: O(log n + kProbes).
+  // granules under the request) upward, and the unmapped neighbours of up
+  // to kProbes mapped free blocks from the largest down: O(log n + kProbes).
   struct Placement {
     Block* u = nullptr;
     std::uint64_t lo = 0;
@@ -3349,6 +3350,10 @@ class CachingDeviceAllocator::Impl {
   };
   static bool MappedFree(const Block* b) {
     return b != nullptr && b->state == BlockState::kFree && !b->unmapped &&
+           !b->quarantined;
+  }
+  static bool UnmappedFree(const Block* b) {
+    return b != nullptr && b->state == BlockState::kFree && b->unmapped &&
            !b->quarantined;
   }
   Placement Place(StreamState* ss, std::size_t rounded, bool small) const
@@ -3382,10 +3387,26 @@ class CachingDeviceAllocator::Impl {
          u = FreeIndex<Block>::Next(u), ++probes) {
       consider(u);
       if (best.u != nullptr && best.bytes() <= u->size && u->size >= whole) {
-        break;  // larger blocks cannot map less
+        break;  // larger blocks alone cannot map less
       }
     }
     if (Block* tail = index.Last()) consider(tail);
+    // The probes stop at the first block that holds the whole request, but a
+    // larger hole beside a mapped free block may map less. So the holes
+    // beside the largest mapped free blocks are candidates too, down to
+    // blocks too small to beat the best (a hole's neighbours visited later
+    // are no larger than the block visited, or were seen with it).
+    probes = 0;
+    for (Block* m = ss->free[PoolIndex(small)].Last();
+         m != nullptr && probes < kProbes;
+         m = FreeIndex<Block>::Prev(m), ++probes) {
+      if (best.u != nullptr && 2 * m->size <= rounded &&
+          best.bytes() <= rounded - 2 * m->size) {
+        break;
+      }
+      if (UnmappedFree(m->prev)) consider(m->prev);
+      if (UnmappedFree(m->next)) consider(m->next);
+    }
     return best;
   }
   // The addresses a placement uses: its run and the mapped free neighbours
