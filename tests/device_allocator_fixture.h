@@ -26,6 +26,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/driver/sim_driver.h"
@@ -119,6 +120,34 @@ class DeviceAllocatorFixture : public ::testing::Test {
   }
   bool expandable() const {
     return alloc_->options().backing == BackingMode::kExpandable;
+  }
+  // Device bytes held beyond the context.
+  std::size_t Physical() const {
+    return sim_->used_bytes(0) - sim_->context_bytes(0);
+  }
+  // The books against the driver: physical bytes == reserved + cached +
+  // leaked (+ `outside_bytes` a test took from the driver itself); both
+  // sides' invariants; no misuse.
+  absl::Status CheckBooks(std::size_t outside_bytes = 0) const {
+    absl::Status inv = alloc_->CheckInvariants();
+    if (!inv.ok()) return inv;
+    absl::Status sinv = sim_->CheckInvariants();
+    if (!sinv.ok()) return sinv;
+    const DeviceAllocatorStats st = alloc_->Stats();
+    const std::size_t books =
+        static_cast<std::size_t>(st.total.reserved_bytes[0].current) +
+        st.granule_cache_bytes + st.leaked_bytes;
+    if (Physical() != books + outside_bytes) {
+      return absl::InternalError(absl::StrFormat(
+          "driver holds %d bytes, books say %d (reserved %d, cache %d, "
+          "leaked %d) + %d outside the allocator",
+          Physical(), books, st.total.reserved_bytes[0].current,
+          st.granule_cache_bytes, st.leaked_bytes, outside_bytes));
+    }
+    if (sim_->misuse_count() != 0) {
+      return absl::InternalError(sim_->misuse_log().back());
+    }
+    return absl::OkStatus();
   }
 
   std::unique_ptr<SimDriver> sim_;

@@ -60,33 +60,7 @@ class VmmChunksAttackTest : public test::DeviceAllocatorFixture {
         alloc_->Stats().total.reserved_bytes[0].current);
   }
   std::size_t Cache() const { return alloc_->Stats().granule_cache_bytes; }
-  std::size_t Physical() const {
-    return sim_->used_bytes(0) - sim_->context_bytes(0);
-  }
-
-  // The books against the driver: physical bytes == mapped + cached +
-  // leaked; both sides' invariants; no misuse.
-  absl::Status Books() const {
-    absl::Status inv = alloc_->CheckInvariants();
-    if (!inv.ok()) return inv;
-    absl::Status sinv = sim_->CheckInvariants();
-    if (!sinv.ok()) return sinv;
-    const DeviceAllocatorStats st = alloc_->Stats();
-    const std::size_t books =
-        static_cast<std::size_t>(st.total.reserved_bytes[0].current) +
-        st.granule_cache_bytes + st.leaked_bytes;
-    if (Physical() != books) {
-      return absl::InternalError(absl::StrFormat(
-          "driver holds %d bytes, books say %d (reserved %d, cache %d, "
-          "leaked %d)",
-          Physical(), books, st.total.reserved_bytes[0].current,
-          st.granule_cache_bytes, st.leaked_bytes));
-    }
-    if (sim_->misuse_count() != 0) {
-      return absl::InternalError(sim_->misuse_log().back());
-    }
-    return absl::OkStatus();
-  }
+  absl::Status Books() const { return CheckBooks(); }
 
   // After everything was freed: Trim(0) gives every byte back and every
   // successful cuMemCreate has its cuMemRelease.

@@ -3341,7 +3341,8 @@ class CachingDeviceAllocator::Impl {
   // range's tail (the largest unmapped block), up to kProbes unmapped
   // blocks from the smallest that could serve with both neighbours (4
   // granules under the request) upward, and the unmapped neighbours of up
-  // to kProbes mapped free blocks from the largest down: O(log n + kProbes).
+  // to kVisits mapped free blocks from the largest down: O(log n + kProbes
+  // + kVisits).
   struct Placement {
     Block* u = nullptr;
     std::uint64_t lo = 0;
@@ -3356,7 +3357,23 @@ class CachingDeviceAllocator::Impl {
     return b != nullptr && b->state == BlockState::kFree && b->unmapped &&
            !b->quarantined;
   }
-  Placement Place(StreamState* ss, std::size_t rounded, bool small) const
+  // The mapped free blocks a placement extends. Its span keeps them out of
+  // a reclaim, so after one the same placement can be offered again.
+  struct Anchors {
+    Block* prev;
+    Block* next;
+  };
+  static Anchors AnchorsOf(const Placement& at) {
+    Anchors a{nullptr, nullptr};
+    if (at.lo == at.u->address && MappedFree(at.u->prev)) a.prev = at.u->prev;
+    if (at.hi == at.u->end() && MappedFree(at.u->next)) a.next = at.u->next;
+    return a;
+  }
+  // `keep`: the anchors of an earlier placement, whose holes are candidates
+  // too (a reclaim in between adds holes and free remnants that could push
+  // them out of the probes, and must not make the placement worse).
+  Placement Place(StreamState* ss, std::size_t rounded, bool small,
+                  Anchors keep = {nullptr, nullptr}) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     constexpr int kProbes = 16;
     const FreeIndex<Block>& index = ss->unmapped[PoolIndex(small)];
@@ -3393,17 +3410,28 @@ class CachingDeviceAllocator::Impl {
     if (Block* tail = index.Last()) consider(tail);
     // The probes stop at the first block that holds the whole request, but a
     // larger hole beside a mapped free block may map less. So the holes
-    // beside the largest mapped free blocks are candidates too, down to
-    // blocks too small to beat the best (a hole's neighbours visited later
-    // are no larger than the block visited, or were seen with it).
-    probes = 0;
+    // beside the kVisits largest mapped free blocks are candidates too, down
+    // to blocks too small to beat the best (a hole's neighbours met later
+    // are no larger than the block met, or were seen with it). Most of them
+    // lie between live blocks or beside holes too small to serve, so every
+    // one is looked at, not a first few: O(kVisits) pointer checks.
+    constexpr int kVisits = 256;
+    int visits = 0;
     for (Block* m = ss->free[PoolIndex(small)].Last();
-         m != nullptr && probes < kProbes;
-         m = FreeIndex<Block>::Prev(m), ++probes) {
-      if (best.u != nullptr && 2 * m->size <= rounded &&
-          best.bytes() <= rounded - 2 * m->size) {
-        break;
+         m != nullptr && visits < kVisits;
+         m = FreeIndex<Block>::Prev(m), ++visits) {
+      if (best.u != nullptr) {
+        const std::size_t floor =
+            2 * m->size < rounded
+                ? SizeClasses::RoundUp(rounded - 2 * m->size, granule_)
+                : granule_;
+        if (best.bytes() <= floor) break;
       }
+      if (UnmappedFree(m->prev)) consider(m->prev);
+      if (UnmappedFree(m->next)) consider(m->next);
+    }
+    for (Block* m : {keep.prev, keep.next}) {
+      if (!MappedFree(m)) continue;
       if (UnmappedFree(m->prev)) consider(m->prev);
       if (UnmappedFree(m->next)) consider(m->next);
     }
@@ -3484,6 +3512,7 @@ class CachingDeviceAllocator::Impl {
       // Over max: the tenant's own free granules move here first.
       std::size_t over = TenantMapped(ss->tenant) + at.bytes() - t.budget.max;
       const auto [skip_lo, skip_hi] = Span(at);
+      const Anchors anchors = AnchorsOf(at);
       for (StreamState* x : TenantStreams(ss->tenant)) {
         x->mu.AssertHeld();
         bool busy = false;
@@ -3494,7 +3523,7 @@ class CachingDeviceAllocator::Impl {
         over -= std::min(over, got);
         if (over == 0) break;
       }
-      at = Place(ss, rounded, small);
+      at = Place(ss, rounded, small, anchors);
       if (at.u == nullptr) return exhausted();
       if (TenantMapped(ss->tenant) + at.bytes() > t.budget.max) {
         return TenantOom(ss, rounded, requested, at.bytes(), report, oom);
@@ -3505,9 +3534,11 @@ class CachingDeviceAllocator::Impl {
       ++num_alloc_retries_;
       const std::size_t cached = CacheBytes();
       const auto [skip_lo, skip_hi] = Span(at);
+      const Anchors anchors = AnchorsOf(at);
       Reclaim(ss, at.bytes() > cached ? at.bytes() - cached : 0, skip_lo,
               skip_hi);
-      at = Place(ss, rounded, small);  // Reclaim reshaped the blocks
+      // Reclaim reshaped the blocks; the first placement stays a candidate.
+      at = Place(ss, rounded, small, anchors);
       if (at.u == nullptr) return exhausted();
       if (t.budget.max != kNoLimit &&
           TenantMapped(ss->tenant) + at.bytes() > t.budget.max) {

@@ -122,6 +122,7 @@ class BlockPool {
     b->owner = 0;
     b->owner_data = nullptr;
     b->label = nullptr;
+    b->born_ns = 0;
     b->stream_uses.clear();
     b->next = free_;
     free_ = b;
