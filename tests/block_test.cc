@@ -13,7 +13,7 @@ TEST(BlockPool, RecyclesBlocks) {
   Block* b = pool.New();
   EXPECT_NE(a, b);
   EXPECT_EQ(pool.live(), 2u);
-  EXPECT_EQ(pool.capacity(), BlockPool::kRefillBlocks);  // a page's worth
+  EXPECT_EQ(pool.capacity(), BlockPool::kChunkBlocks);
   a->size = 4096;
   a->stream_uses.push_back(7);
   pool.Delete(a);
@@ -36,42 +36,6 @@ TEST(BlockPool, GrowsByChunks) {
   }
   EXPECT_EQ(pool.capacity(), 3 * BlockPool::kChunkBlocks);
   for (Block* b : seen) pool.Delete(b);
-}
-
-// A chunk's blocks are made about a page at a time as they are needed (so
-// a new chunk's memory is touched a page at a time, not all at once), and
-// freed blocks are reused before any new one is made.
-TEST(BlockPool, MakesBlocksOnFirstUseAndReusesThemFirst) {
-  BlockPool pool;
-  const std::size_t n = BlockPool::kChunkBlocks + 44;  // into a second chunk
-  std::set<Block*> first;
-  for (std::size_t i = 0; i < n; ++i) {
-    Block* b = pool.New();
-    EXPECT_GE(pool.capacity(), i + 1);
-    EXPECT_LT(pool.capacity(), i + 1 + BlockPool::kRefillBlocks);
-    EXPECT_EQ(b->size, 0u);
-    EXPECT_EQ(b->next, nullptr);
-    EXPECT_FALSE(b->linked());
-    b->size = 512 * (i + 1);
-    b->stream_uses.assign({1, 2, 3});  // on the heap: the pool frees it
-    EXPECT_TRUE(first.insert(b).second);
-  }
-  const std::size_t made = pool.capacity();
-  for (Block* b : first) pool.Delete(b);
-  EXPECT_EQ(pool.live(), 0u);
-  for (std::size_t i = 0; i < n; ++i) {
-    Block* b = pool.New();
-    EXPECT_EQ(first.count(b), 1u);
-    EXPECT_EQ(b->size, 0u);
-    EXPECT_TRUE(b->stream_uses.empty());
-  }
-  EXPECT_EQ(pool.capacity(), made);
-  Block* more = pool.New();  // never handed out before
-  EXPECT_EQ(first.count(more), 0u);
-  EXPECT_LE(pool.capacity(), made + BlockPool::kRefillBlocks);
-  // Destroyed with blocks handed out: every block made is destroyed (ASan
-  // sees a leak of stream_uses otherwise).
-  more->stream_uses.assign({4, 5, 6});
 }
 
 TEST(Block, SplitAndMergeRestoreTheBlock) {

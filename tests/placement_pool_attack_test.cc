@@ -1,8 +1,8 @@
 // Attack tests of expandable placement (a request no mapped free block
 // holds maps granules at the cheapest place, the fewest new bytes, never
 // unmapping without pressure, and is not refused after a reclaim that made
-// room) and of BlockPool (blocks made a page at a time inside 256-slot
-// chunks, each handed out default-initialised).
+// room) and of BlockPool (blocks made a chunk of 256 at a time, each
+// handed out default-initialised).
 //
 // The placement tests build layouts of holes (unmapped free blocks) and
 // mapped free blocks in one stream's large range and compare the bytes a
@@ -343,12 +343,12 @@ TEST_F(PlacementAttackTest, RandomLayoutsMapTheFewestBytes) {
 
 // ---- BlockPool --------------------------------------------------------------
 
-// Around the refill and chunk boundaries: every block is new, aligned for a
+// Around the chunk boundaries: every block is new, aligned for a
 // Block, disjoint from every other, default-initialised; capacity() counts
 // at least the blocks handed out, less than a refill more, and never more
 // than the chunks hold; the pool is destroyed with all of them live.
 TEST(BlockPoolAttack, BoundariesAlignmentAndDisjointBlocks) {
-  const std::size_t r = BlockPool::kRefillBlocks;
+  const std::size_t r = BlockPool::kChunkBlocks;  // a refill makes a chunk
   const std::size_t c = BlockPool::kChunkBlocks;
   ASSERT_GE(r, 1u);
   ASSERT_LE(r, c);

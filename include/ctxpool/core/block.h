@@ -23,11 +23,9 @@
 #ifndef CTXPOOL_CORE_BLOCK_H_
 #define CTXPOOL_CORE_BLOCK_H_
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <new>
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
@@ -73,33 +71,18 @@ struct Block : FreeIndexNode {
   bool is_split() const { return prev != nullptr || next != nullptr; }
 };
 
-// A recycling arena of Blocks: New() pops a free-list, refilling it from the
-// newest chunk (a new chunk of kChunkBlocks when it is full); Delete() pushes
-// back. A refill makes only about a page of blocks (kRefillBlocks), so a
-// chunk's memory is first touched a page at a time as blocks are needed: no
-// call pays the page faults of a whole chunk (a fresh process pays ~10 per
-// chunk; mimalloc extends its free lists the same way). Blocks are never
-// returned to the heap before the pool is destroyed, so their addresses
-// stay valid.
+// A recycling arena of Blocks: New() pops a free-list, refilling it a chunk at
+// a time; Delete() pushes back. Blocks are never returned to the heap before
+// the pool is destroyed, so their addresses stay valid.
 class BlockPool {
  public:
   static constexpr std::size_t kChunkBlocks = 256;
-  // Blocks made at a time: about a page.
-  static constexpr std::size_t kRefillBlocks =
-      sizeof(Block) >= 4096 ? 1 : 4096 / sizeof(Block);
 
   BlockPool() = default;
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
-  ~BlockPool() {
-    for (std::size_t c = 0; c < chunks_.size(); ++c) {
-      const std::size_t n = c + 1 == chunks_.size() ? made_ : kChunkBlocks;
-      for (std::size_t i = 0; i < n; ++i) At(c, i)->~Block();
-    }
-  }
 
-  // A default-initialised Block. Allocates only when the free-list is empty
-  // and the newest chunk is full.
+  // A default-initialised Block. Allocates only when the free-list is empty.
   Block* New() {
     if (free_ == nullptr) Refill();
     Block* b = free_;
@@ -130,40 +113,20 @@ class BlockPool {
   }
   // Blocks handed out and not deleted.
   std::size_t live() const { return live_; }
-  // Blocks made (live + recycled).
-  std::size_t capacity() const {
-    return chunks_.empty() ? 0 : (chunks_.size() - 1) * kChunkBlocks + made_;
-  }
+  // Blocks owned (live + recycled).
+  std::size_t capacity() const { return chunks_.size() * kChunkBlocks; }
 
  private:
-  // Raw room for one Block: `new Slot[n]` leaves the memory untouched.
-  struct Slot {
-    alignas(Block) unsigned char bytes[sizeof(Block)];
-  };
-
-  Block* At(std::size_t chunk, std::size_t i) const {
-    return std::launder(reinterpret_cast<Block*>(chunks_[chunk][i].bytes));
-  }
-  // Makes the next page's worth of blocks of the newest chunk (a new chunk
-  // when it is full) and puts them on the free-list, lowest address first.
   void Refill() {
-    if (chunks_.empty() || made_ == kChunkBlocks) {
-      std::unique_ptr<Slot[]> chunk(new Slot[kChunkBlocks]);
-      chunks_.push_back(std::move(chunk));
-      made_ = 0;
+    chunks_.push_back(std::make_unique<Block[]>(kChunkBlocks));
+    Block* chunk = chunks_.back().get();
+    for (std::size_t i = kChunkBlocks; i-- > 0;) {
+      chunk[i].next = free_;
+      free_ = &chunk[i];
     }
-    const std::size_t n = std::min(kRefillBlocks, kChunkBlocks - made_);
-    Slot* slots = chunks_.back().get() + made_;
-    for (std::size_t i = n; i-- > 0;) {
-      Block* b = new (slots[i].bytes) Block();
-      b->next = free_;
-      free_ = b;
-    }
-    made_ += n;
   }
 
-  std::vector<std::unique_ptr<Slot[]>> chunks_;
-  std::size_t made_ = 0;  // blocks made in the newest chunk
+  std::vector<std::unique_ptr<Block[]>> chunks_;
   Block* free_ = nullptr;
   std::size_t live_ = 0;
 };
