@@ -3397,6 +3397,11 @@ class CachingDeviceAllocator::Impl {
       }
       if (p != 0 && n != 0) offer(u, u->address, u->end());  // join both
     };
+    // The holes beside mapped free block `m`.
+    auto consider_beside = [&](const Block* m) {
+      if (UnmappedFree(m->prev)) consider(m->prev);
+      if (UnmappedFree(m->next)) consider(m->next);
+    };
     const std::size_t from =
         whole > 4 * granule_ ? whole - 4 * granule_ : granule_;
     int probes = 0;
@@ -3427,25 +3432,19 @@ class CachingDeviceAllocator::Impl {
                 : granule_;
         if (best.bytes() <= floor) break;
       }
-      if (UnmappedFree(m->prev)) consider(m->prev);
-      if (UnmappedFree(m->next)) consider(m->next);
+      consider_beside(m);
     }
     for (Block* m : {keep.prev, keep.next}) {
-      if (!MappedFree(m)) continue;
-      if (UnmappedFree(m->prev)) consider(m->prev);
-      if (UnmappedFree(m->next)) consider(m->next);
+      if (MappedFree(m)) consider_beside(m);
     }
     return best;
   }
   // The addresses a placement uses: its run and the mapped free neighbours
   // it extends (Reclaim leaves them mapped).
   static std::pair<std::uint64_t, std::uint64_t> Span(const Placement& at) {
-    std::uint64_t lo = at.lo, hi = at.hi;
-    if (at.lo == at.u->address && MappedFree(at.u->prev)) {
-      lo = at.u->prev->address;
-    }
-    if (at.hi == at.u->end() && MappedFree(at.u->next)) hi = at.u->next->end();
-    return {lo, hi};
+    const Anchors a = AnchorsOf(at);
+    return {a.prev != nullptr ? a.prev->address : at.lo,
+            a.next != nullptr ? a.next->end() : at.hi};
   }
 
   // Where a placement's run ends when there is room to map ahead: a cold
