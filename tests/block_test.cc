@@ -28,14 +28,22 @@ TEST(BlockPool, RecyclesBlocks) {
   EXPECT_EQ(pool.live(), 0u);
 }
 
-TEST(BlockPool, GrowsByChunks) {
+// Chunks double from 256 blocks to 1024, then stay at 1024.
+TEST(BlockPool, GrowsByDoublingChunks) {
   BlockPool pool;
   std::set<Block*> seen;
-  for (std::size_t i = 0; i < 3 * BlockPool::kChunkBlocks; ++i) {
-    EXPECT_TRUE(seen.insert(pool.New()).second);
+  const std::size_t c = BlockPool::kChunkBlocks;
+  EXPECT_EQ(pool.capacity(), 0u);
+  for (std::size_t want : {c, 3 * c, 7 * c, 11 * c, 15 * c}) {
+    while (seen.size() < want) EXPECT_TRUE(seen.insert(pool.New()).second);
+    EXPECT_EQ(pool.capacity(), want);  // the next New() refills
   }
-  EXPECT_EQ(pool.capacity(), 3 * BlockPool::kChunkBlocks);
+  EXPECT_EQ(BlockPool::ChunkBlocks(0), c);
+  EXPECT_EQ(BlockPool::ChunkBlocks(2), 4 * c);
+  EXPECT_EQ(BlockPool::ChunkBlocks(100), 4 * c);
   for (Block* b : seen) pool.Delete(b);
+  EXPECT_EQ(pool.live(), 0u);
+  EXPECT_EQ(pool.capacity(), 15 * c);  // kept for reuse
 }
 
 TEST(Block, SplitAndMergeRestoreTheBlock) {

@@ -1,8 +1,8 @@
 // Attack tests of expandable placement (a request no mapped free block
 // holds maps granules at the cheapest place, the fewest new bytes, never
 // unmapping without pressure, and is not refused after a reclaim that made
-// room) and of BlockPool (blocks made a chunk of 256 at a time, each
-// handed out default-initialised).
+// room) and of BlockPool (blocks made in chunks that double from 256 to
+// 1024 blocks, each handed out default-initialised).
 //
 // The placement tests build layouts of holes (unmapped free blocks) and
 // mapped free blocks in one stream's large range and compare the bytes a
@@ -344,16 +344,17 @@ TEST_F(PlacementAttackTest, RandomLayoutsMapTheFewestBytes) {
 // ---- BlockPool --------------------------------------------------------------
 
 // Around the chunk boundaries: every block is new, aligned for a
-// Block, disjoint from every other, default-initialised; capacity() counts
-// at least the blocks handed out, less than a refill more, and never more
-// than the chunks hold; the pool is destroyed with all of them live.
+// Block, disjoint from every other, default-initialised; capacity() is the
+// chunks made, the i-th of kChunkBlocks << min(i, kMaxDoublings), no more
+// than hold the blocks handed out; the pool is destroyed with all of them
+// live.
 TEST(BlockPoolAttack, BoundariesAlignmentAndDisjointBlocks) {
-  const std::size_t r = BlockPool::kChunkBlocks;  // a refill makes a chunk
   const std::size_t c = BlockPool::kChunkBlocks;
-  ASSERT_GE(r, 1u);
-  ASSERT_LE(r, c);
-  for (std::size_t n : {std::size_t{1}, r, r + 1, c - 1, c, c + 1, c + r, 2 * c,
-                        2 * c + 1, 5 * c + 3}) {
+  const std::size_t top = c << BlockPool::kMaxDoublings;  // the largest chunk
+  ASSERT_GE(c, 1u);
+  for (std::size_t n :
+       {std::size_t{1}, c - 1, c, c + 1, 3 * c, 3 * c + 1, 7 * c, 7 * c + 1,
+        7 * c + top, 7 * c + top + 1, 7 * c + 3 * top + 5}) {
     SCOPED_TRACE(n);
     BlockPool pool;
     std::vector<Block*> blocks;
@@ -374,9 +375,14 @@ TEST(BlockPoolAttack, BoundariesAlignmentAndDisjointBlocks) {
       blocks.push_back(b);
     }
     EXPECT_EQ(pool.live(), n);
-    EXPECT_GE(pool.capacity(), n);
-    EXPECT_LT(pool.capacity(), n + r);
-    EXPECT_LE(pool.capacity(), (n + c - 1) / c * c);
+    std::size_t made = 0;
+    std::size_t last = 0;
+    for (std::size_t i = 0; made < n; ++i) {
+      last = c << std::min<std::size_t>(i, BlockPool::kMaxDoublings);
+      made += last;
+    }
+    EXPECT_EQ(pool.capacity(), made);
+    EXPECT_LT(pool.capacity() - n, last);  // the newest chunk is in use
     std::vector<Block*> sorted = blocks;
     std::sort(sorted.begin(), sorted.end());
     for (std::size_t i = 1; i < sorted.size(); ++i) {
@@ -403,8 +409,9 @@ std::size_t HeapInUse() { return mallinfo2().uordblks; }
 // leaked is more than the slack left for incidental small allocations.
 TEST(BlockPoolAttack, DestructionFreesEverythingAcrossChunks) {
 #if defined(__GLIBC__) && !defined(__SANITIZE_ADDRESS__)
-  for (std::size_t n : {BlockPool::kChunkBlocks, BlockPool::kChunkBlocks + 1,
-                        3 * BlockPool::kChunkBlocks + 7}) {
+  for (std::size_t n :
+       {BlockPool::kChunkBlocks, BlockPool::kChunkBlocks + 1,
+        3 * BlockPool::kChunkBlocks + 7, 9 * BlockPool::kChunkBlocks + 7}) {
     SCOPED_TRACE(n);
     std::vector<Block*> blocks;
     blocks.reserve(2 * n);

@@ -73,10 +73,21 @@ struct Block : FreeIndexNode {
 
 // A recycling arena of Blocks: New() pops a free-list, refilling it a chunk at
 // a time; Delete() pushes back. Blocks are never returned to the heap before
-// the pool is destroyed, so their addresses stay valid.
+// the pool is destroyed, so their addresses stay valid. The i-th chunk holds
+// kChunkBlocks << min(i, kMaxDoublings) blocks: 256, 512, then 1024 each, so
+// the first touch of the chunks' pages (a fault per 4 KiB) falls on three
+// calls up to 1792 blocks and on one call in 1024 after that, not on one in
+// 256; the cap bounds the cost of one refill and the spare blocks (fewer
+// than one chunk). See docs/architecture.md (Pool) for the measurements.
 class BlockPool {
  public:
   static constexpr std::size_t kChunkBlocks = 256;
+  static constexpr std::size_t kMaxDoublings = 2;  // chunks of 1024 at most
+
+  // The size of the i-th chunk (from 0).
+  static constexpr std::size_t ChunkBlocks(std::size_t i) {
+    return kChunkBlocks << (i < kMaxDoublings ? i : kMaxDoublings);
+  }
 
   BlockPool() = default;
   BlockPool(const BlockPool&) = delete;
@@ -114,13 +125,15 @@ class BlockPool {
   // Blocks handed out and not deleted.
   std::size_t live() const { return live_; }
   // Blocks owned (live + recycled).
-  std::size_t capacity() const { return chunks_.size() * kChunkBlocks; }
+  std::size_t capacity() const { return capacity_; }
 
  private:
   void Refill() {
-    chunks_.push_back(std::make_unique<Block[]>(kChunkBlocks));
+    const std::size_t n = ChunkBlocks(chunks_.size());
+    chunks_.push_back(std::make_unique<Block[]>(n));
+    capacity_ += n;
     Block* chunk = chunks_.back().get();
-    for (std::size_t i = kChunkBlocks; i-- > 0;) {
+    for (std::size_t i = n; i-- > 0;) {
       chunk[i].next = free_;
       free_ = &chunk[i];
     }
@@ -129,6 +142,7 @@ class BlockPool {
   std::vector<std::unique_ptr<Block[]>> chunks_;
   Block* free_ = nullptr;
   std::size_t live_ = 0;
+  std::size_t capacity_ = 0;
 };
 
 // Splits `b` into [address, address + size) (kept in `b`) and the remainder,
