@@ -19,6 +19,8 @@
 #include <cstdlib>
 #include <new>
 
+#include "ctxpool/driver/sim_driver.h"
+
 #if defined(__has_feature)
 #if __has_feature(thread_sanitizer)
 #define CTXPOOL_TEST_TSAN 1
@@ -34,11 +36,23 @@ thread_local std::int64_t g_allocations = 0;
 // While set, operator new of this thread throws std::bad_alloc (host memory
 // running out in the middle of a call).
 thread_local bool g_fail_allocations = false;
+// When >= 0: this thread's operator new succeeds that many more times, then
+// throws std::bad_alloc once and the countdown stops (-1). A sweep over it
+// fails each allocation of a call in turn. Allocations inside SimDriver
+// calls are neither counted nor failed.
+thread_local std::int64_t g_fail_after = -1;
+inline bool FailThisAllocation() {
+  if (g_fail_allocations) return true;
+  // The simulated driver's own bookkeeping is not the allocator's.
+  if (g_fail_after < 0 || ctxpool::SimDriver::InCall()) return false;
+  if (g_fail_after-- > 0) return false;
+  return true;  // the countdown is now -1
+}
 }  // namespace
 
 #ifndef CTXPOOL_TEST_TSAN
 void* operator new(std::size_t n) {
-  if (g_fail_allocations) throw std::bad_alloc();
+  if (FailThisAllocation()) throw std::bad_alloc();
   if (g_count_allocations) ++g_allocations;
   void* p = std::malloc(n == 0 ? 1 : n);
   if (p == nullptr) throw std::bad_alloc();
@@ -54,7 +68,7 @@ void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 // Over-aligned types (alignas(64) state) come through these.
 void* operator new(std::size_t n, std::align_val_t al) {
-  if (g_fail_allocations) throw std::bad_alloc();
+  if (FailThisAllocation()) throw std::bad_alloc();
   if (g_count_allocations) ++g_allocations;
   const std::size_t a = static_cast<std::size_t>(al);
   void* p = std::aligned_alloc(a, ((n == 0 ? 1 : n) + a - 1) / a * a);

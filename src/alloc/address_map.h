@@ -64,20 +64,23 @@ class StreamTable {
   // REQUIRES: writers serialised; `key` absent (key != UINT64_MAX); `value`
   // outlives the table.
   void Insert(std::uint64_t key, T* value) {
-    Table* t = table_.load(std::memory_order_relaxed);
-    if ((count_ + 1) * 2 > t->mask + 1) {
-      Table* bigger = NewTable(2 * (t->mask + 1));
-      for (std::size_t i = 0; i <= t->mask; ++i) {
-        const std::uint64_t k = t->slots[i].key.load(std::memory_order_relaxed);
-        if (k != 0) {
-          Put(bigger, k, t->slots[i].value.load(std::memory_order_relaxed));
-        }
-      }
-      table_.store(bigger, std::memory_order_release);
-      t = bigger;
-    }
-    Put(t, key + 1, value);
+    Reserve();
+    Put(table_.load(std::memory_order_relaxed), key + 1, value);
     ++count_;
+  }
+  // Makes sure the next Insert does not allocate. Throws std::bad_alloc
+  // with the table as it was. REQUIRES: writers serialised.
+  void Reserve() {
+    Table* t = table_.load(std::memory_order_relaxed);
+    if ((count_ + 1) * 2 <= t->mask + 1) return;
+    Table* bigger = NewTable(2 * (t->mask + 1));
+    for (std::size_t i = 0; i <= t->mask; ++i) {
+      const std::uint64_t k = t->slots[i].key.load(std::memory_order_relaxed);
+      if (k != 0) {
+        Put(bigger, k, t->slots[i].value.load(std::memory_order_relaxed));
+      }
+    }
+    table_.store(bigger, std::memory_order_release);
   }
 
   std::size_t size() const { return count_; }
@@ -147,6 +150,11 @@ class SegmentPageMap {
   }
 
   // REQUIRES: writers serialised; seg->size >= the page size.
+  // Makes the nodes Insert(seg) needs, so that it does not allocate. Throws
+  // std::bad_alloc leaving only empty nodes behind.
+  void Prepare(const Segment* seg) {
+    ForPages(seg, [](Entry*, bool) {});
+  }
   void Insert(Segment* seg) {
     ForPages(seg, [&](Entry* e, bool starts_inside) {
       if (starts_inside) {
@@ -278,9 +286,10 @@ class RangeTable {
   struct Table {
     std::vector<Entry> entries;
   };
+  // Kept before published: a std::bad_alloc leaves the table as it was.
   void Publish(std::unique_ptr<Table> t) {
-    table_.store(t.get(), std::memory_order_release);
     versions_.push_back(std::move(t));
+    table_.store(versions_.back().get(), std::memory_order_release);
   }
 
   Table empty_;

@@ -151,6 +151,7 @@
 #include "ctxpool/core/free_index.h"
 #include "ctxpool/core/internal/coarse_clock.h"
 #include "ctxpool/core/internal/spin_lock.h"
+#include "ctxpool/core/internal/table_room.h"
 #include "ctxpool/core/segment.h"
 #include "ctxpool/core/size_classes.h"
 #include "ctxpool/core/stats.h"
@@ -233,7 +234,7 @@ struct alignas(64) SubAccount {
 // none on the cached path.
 struct alignas(64) StreamState {
   explicit StreamState(std::uint64_t s) : stream(s) {
-    live.reserve(kInitialLiveCapacity);
+    core_internal::MakeRoom(live, kInitialLiveCapacity);
   }
   mutable SpinLock mu;
   const std::uint64_t stream;
@@ -1597,7 +1598,14 @@ class CachingDeviceAllocator::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = streams_.find(stream);
     if (it == streams_.end()) {
+      // Host memory first: a std::bad_alloc leaves every table as it was.
       auto made = std::make_unique<StreamState>(stream);
+      core_internal::MakeRoom(streams_, 1);
+      std::vector<StreamState*>& listed = tenants_[kDefaultTenant]->streams;
+      if (listed.size() == listed.capacity()) {
+        listed.reserve(2 * listed.size() + 4);
+      }
+      stream_table_.Reserve();
       StreamState* ss = made.get();
       LockForAllShards(ss);
       ss->mu.AssertHeld();
@@ -1765,6 +1773,12 @@ class CachingDeviceAllocator::Impl {
                       std::size_t requested, const Tag& tag,
                       bool split_any = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(ss->mu) {
+    // Host memory first (a block for the split, room in the live map), so
+    // that a std::bad_alloc leaves everything as it was (table_room.h).
+    ss->blocks.Reserve();
+    if (ABSL_PREDICT_FALSE(!core_internal::TableHasRoom(ss->live, 1))) {
+      core_internal::MakeRoom(ss->live, 1);
+    }
     Segment* seg = b->segment;
     const bool small = seg->small;
     Unindex(ss, b);
@@ -2528,6 +2542,7 @@ class CachingDeviceAllocator::Impl {
     b->state = BlockState::kFree;
     seg->first = b;
     try {
+      pages_.Prepare(seg);
       segments_.emplace(seg->base, seg);
     } catch (...) {
       if (backing_->Free(*range).ok()) ++upstream_frees_;
@@ -2971,13 +2986,36 @@ class CachingDeviceAllocator::Impl {
     // address-space fragmentation from failing a request that physical
     // memory could serve.
     const std::size_t size = 2 * SizeClasses::RoundUp(device_total_, granule_);
-    CTXPOOL_ASSIGN_OR_RETURN(VmmRange * r, vmm_.Reserve(size));
+    // Host memory first, undone when a later step throws std::bad_alloc.
     DeviceSegment* seg = NewSegmentObject();
+    absl::StatusOr<VmmRange*> reserved;
+    try {
+      ss->blocks.Reserve();
+      reserved = vmm_.Reserve(size);
+    } catch (...) {
+      RecycleSegmentObject(seg);
+      throw;
+    }
+    if (!reserved.ok()) {
+      RecycleSegmentObject(seg);
+      return reserved.status();
+    }
+    VmmRange* r = *reserved;
     seg->base = r->base;
     seg->size = size;
     seg->small = small;
     seg->backing_handle =
         static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(r));
+    Own(seg, ss);  // before the lock-free range table publishes it
+    try {
+      segments_.emplace(r->base, seg);
+      ranges_.Insert(seg);
+    } catch (...) {
+      segments_.erase(r->base);
+      (void)vmm_.Unreserve(r);
+      RecycleSegmentObject(seg);
+      throw;
+    }
     Block* b = ss->blocks.New();
     b->address = seg->base;
     b->size = seg->size;
@@ -2985,11 +3023,8 @@ class CachingDeviceAllocator::Impl {
     b->state = BlockState::kFree;
     b->unmapped = true;
     seg->first = b;
-    Own(seg, ss);
     Bump(ss, &PoolStats::segment, small, 1);
     slot = seg;
-    segments_.emplace(seg->base, seg);
-    ranges_.Insert(seg);
     Index(ss, b);
     return slot;
   }

@@ -29,13 +29,18 @@ bool IsOutOfMemory(const absl::Status& s) {
 }  // namespace
 
 absl::StatusOr<VmmRange*> ExpandableBacking::Reserve(std::size_t bytes) {
+  auto r = std::make_unique<VmmRange>();
   CTXPOOL_ASSIGN_OR_RETURN(DevicePtr base,
                            driver_.MemAddressReserve(bytes, granule_));
-  auto r = std::make_unique<VmmRange>();
   r->base = base.address();
   r->size = bytes;
   VmmRange* out = r.get();
-  ranges_.emplace(r->base, std::move(r));
+  try {
+    ranges_.emplace(r->base, std::move(r));
+  } catch (...) {  // std::bad_alloc: the reservation is given back
+    (void)driver_.MemAddressFree(base, bytes);
+    throw;
+  }
   return out;
 }
 

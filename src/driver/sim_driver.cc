@@ -234,6 +234,7 @@ void SimDriver::RunHostFuncs() {
   State& s = *state_;
   {
     absl::MutexLock lock(&s.mu);
+    const CallScope scope;
     if (s.callbacks_running || s.callbacks.empty()) return;
     s.callbacks_running = true;
   }
@@ -241,6 +242,7 @@ void SimDriver::RunHostFuncs() {
     std::pair<HostFn, void*> callback;
     {
       absl::MutexLock lock(&s.mu);
+      const CallScope scope;
       if (s.callbacks.empty()) {
         s.callbacks_running = false;
         return;
@@ -258,6 +260,7 @@ void SimDriver::RunHostFuncs() {
 void SimDriver::Hold(StreamHandle stream) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   absl::StatusOr<std::uint32_t> index = s.ResolveStream("Hold", stream, true);
   if (index.ok()) s.streams[*index].held = true;
 }
@@ -267,6 +270,7 @@ std::size_t SimDriver::Advance(StreamHandle stream, std::size_t ops) {
   std::size_t done = 0;
   {
     absl::MutexLock lock(&s.mu);
+    const CallScope scope;
     absl::StatusOr<std::uint32_t> index =
         s.ResolveStream("Advance", stream, true);
     if (!index.ok()) return 0;
@@ -281,6 +285,7 @@ void SimDriver::Release(StreamHandle stream) {
   State& s = *state_;
   {
     absl::MutexLock lock(&s.mu);
+    const CallScope scope;
     absl::StatusOr<std::uint32_t> index =
         s.ResolveStream("Release", stream, true);
     if (!index.ok()) return;
@@ -293,6 +298,7 @@ void SimDriver::Release(StreamHandle stream) {
 std::size_t SimDriver::PendingOps(StreamHandle stream) const {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   absl::StatusOr<std::uint32_t> index =
       s.ResolveStream("PendingOps", stream, true);
   if (!index.ok()) return 0;
@@ -306,6 +312,7 @@ absl::Status SimDriver::Touch(StreamHandle stream, DevicePtr ptr,
                               std::size_t bytes) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Current("Touch").status());
   CTXPOOL_ASSIGN_OR_RETURN(std::uint32_t index,
                            s.ResolveStream("Touch", stream, false));
@@ -322,21 +329,25 @@ absl::Status SimDriver::Touch(StreamHandle stream, DevicePtr ptr,
 
 std::vector<SimRace> SimDriver::Races() const {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   return state_->races;
 }
 
 std::uint64_t SimDriver::race_count() const {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   return state_->race_count;
 }
 
 void SimDriver::SetRaceDetection(bool enabled) {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   state_->race_detection = enabled;
 }
 
 void SimDriver::SetIgnorePrimaryCtxFlags(bool ignore) {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   state_->ignore_primary_flags = ignore;
 }
 
@@ -345,11 +356,13 @@ void SimDriver::SetIgnorePrimaryCtxFlags(bool ignore) {
 
 std::uint64_t SimDriver::misuse_count() const {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   return state_->misuse_count;
 }
 
 std::vector<std::string> SimDriver::misuse_log() const {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   return {state_->misuse_log.begin(), state_->misuse_log.end()};
 }
 
@@ -357,6 +370,7 @@ void SimDriver::InjectFault(SimCall call, int count, int cuda_error) {
   const int i = static_cast<int>(call);
   if (i < 0 || i >= kSimCallCount) return;
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   state_->faults[i] = {std::max(count, 0), cuda_error};
 }
 
@@ -364,11 +378,13 @@ void SimDriver::SetCost(SimCall call, std::int64_t nanoseconds) {
   const int i = static_cast<int>(call);
   if (i < 0 || i >= kSimCallCount) return;
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   state_->costs[i] = nanoseconds;
 }
 
 void SimDriver::SetWorkCost(std::int64_t nanoseconds) {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   state_->work_cost = nanoseconds;
 }
 
@@ -391,6 +407,7 @@ absl::Status SimDriver::UseRealisticCosts() {
 void SimDriver::SetCostTable(const SimCostTable& table) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   for (int i = 0; i < kSimCallCount; ++i) {
     s.costs[i] = table.calls[i].ns;
     s.costs_per_mib[i] = table.calls[i].ns_per_mib;
@@ -401,20 +418,24 @@ void SimDriver::SetCostTable(const SimCostTable& table) {
 
 std::int64_t SimDriver::simulated_time_ns() const {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   return state_->simulated_ns;
 }
 
 std::int64_t SimDriver::thread_simulated_time_ns() { return t_simulated_ns; }
+bool SimDriver::InCall() { return sim_internal::t_call_depth > 0; }
 
 std::uint64_t SimDriver::call_count(SimCall call) const {
   const int i = static_cast<int>(call);
   if (i < 0 || i >= kSimCallCount) return 0;
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   return state_->calls[i];
 }
 
 std::array<std::uint64_t, kSimCallCount> SimDriver::call_counts() const {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   return state_->calls;
 }
 
@@ -426,6 +447,7 @@ std::uint64_t SimDriver::total_call_count() const {
 
 std::size_t SimDriver::used_bytes(int device) const {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   if (device < 0 || device >= static_cast<int>(state_->devices.size()))
     return 0;
   return state_->devices[device].used;
@@ -433,6 +455,7 @@ std::size_t SimDriver::used_bytes(int device) const {
 
 std::size_t SimDriver::host_bytes() const {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   std::size_t n = 0;
   for (const auto& [address, range] : state_->host_ranges) n += range.bytes;
   return n;
@@ -440,6 +463,7 @@ std::size_t SimDriver::host_bytes() const {
 
 std::size_t SimDriver::peak_used_bytes(int device) const {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   if (device < 0 || device >= static_cast<int>(state_->devices.size()))
     return 0;
   return state_->devices[device].peak;
@@ -447,6 +471,7 @@ std::size_t SimDriver::peak_used_bytes(int device) const {
 
 int SimDriver::primary_ctx_refcount(int device) const {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   if (device < 0 || device >= static_cast<int>(state_->devices.size()))
     return 0;
   return state_->devices[device].primary_refcount;
@@ -454,6 +479,7 @@ int SimDriver::primary_ctx_refcount(int device) const {
 
 int SimDriver::contexts_created(int device) const {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   if (device < 0 || device >= static_cast<int>(state_->devices.size()))
     return 0;
   return state_->devices[device].contexts_created;
@@ -461,6 +487,7 @@ int SimDriver::contexts_created(int device) const {
 
 std::size_t SimDriver::context_bytes(int device) const {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   if (device < 0 || device >= static_cast<int>(state_->devices.size()))
     return 0;
   return state_->devices[device].context_bytes;
@@ -468,12 +495,14 @@ std::size_t SimDriver::context_bytes(int device) const {
 
 const SimDeviceSpec& SimDriver::device_spec(int device) const {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   // Specs never change after construction, so the reference stays valid.
   return state_->devices[device].spec;
 }
 
 absl::Status SimDriver::CheckInvariants() const {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   return state_->CheckInvariants();
 }
 
@@ -484,6 +513,7 @@ absl::string_view SimDriver::Kind() const { return "sim"; }
 
 std::string SimDriver::Describe() const {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   std::vector<std::string> parts;
   for (const State::Device& d : state_->devices) {
     parts.push_back(absl::StrFormat("%s (%.1f GiB)", d.spec.name,
@@ -496,12 +526,14 @@ std::string SimDriver::Describe() const {
 
 absl::StatusOr<int> SimDriver::DeviceCount() {
   absl::MutexLock lock(&state_->mu);
+  const CallScope scope;
   return static_cast<int>(state_->devices.size());
 }
 
 absl::StatusOr<std::string> SimDriver::DeviceName(int device) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuDeviceGetName", device));
   return s.devices[device].spec.name;
 }
@@ -509,6 +541,7 @@ absl::StatusOr<std::string> SimDriver::DeviceName(int device) {
 absl::StatusOr<std::size_t> SimDriver::DeviceTotalMem(int device) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuDeviceTotalMem", device));
   return s.devices[device].spec.capacity_bytes;
 }
@@ -517,6 +550,7 @@ absl::StatusOr<int> SimDriver::DeviceGetAttribute(DeviceAttribute attribute,
                                                   int device) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuDeviceGetAttribute", device));
   const SimDeviceSpec& spec = s.devices[device].spec;
   switch (attribute) {
@@ -547,6 +581,7 @@ absl::StatusOr<int> SimDriver::DeviceGetAttribute(DeviceAttribute attribute,
 absl::StatusOr<ContextHandle> SimDriver::PrimaryCtxRetain(int device) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kPrimaryCtxRetain));
   CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuDevicePrimaryCtxRetain", device));
   State::Device& d = s.devices[device];
@@ -565,6 +600,7 @@ absl::StatusOr<ContextHandle> SimDriver::PrimaryCtxRetain(int device) {
 absl::Status SimDriver::PrimaryCtxRelease(int device) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kPrimaryCtxRelease));
   CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuDevicePrimaryCtxRelease", device));
   State::Device& d = s.devices[device];
@@ -580,6 +616,7 @@ absl::Status SimDriver::PrimaryCtxRelease(int device) {
 absl::Status SimDriver::PrimaryCtxSetFlags(int device, unsigned flags) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuDevicePrimaryCtxSetFlags", device));
   if (!s.ignore_primary_flags) s.devices[device].primary_flags = flags;
   return absl::OkStatus();
@@ -588,6 +625,7 @@ absl::Status SimDriver::PrimaryCtxSetFlags(int device, unsigned flags) {
 absl::StatusOr<PrimaryContextState> SimDriver::PrimaryCtxGetState(int device) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuDevicePrimaryCtxGetState", device));
   PrimaryContextState state;
   state.flags = s.devices[device].primary_flags;
@@ -598,6 +636,7 @@ absl::StatusOr<PrimaryContextState> SimDriver::PrimaryCtxGetState(int device) {
 absl::StatusOr<ContextHandle> SimDriver::CtxCreate(int device, unsigned flags) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kCtxCreate));
   CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuCtxCreate", device));
   State::Device& d = s.devices[device];
@@ -618,6 +657,7 @@ absl::StatusOr<ContextHandle> SimDriver::CtxCreate(int device, unsigned flags) {
 absl::Status SimDriver::CtxDestroy(ContextHandle ctx) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kCtxDestroy));
   auto it = s.contexts.find(ctx.value());
   if (it == s.contexts.end()) {
@@ -642,6 +682,7 @@ absl::Status SimDriver::CtxDestroy(ContextHandle ctx) {
 absl::Status SimDriver::CtxPushCurrent(ContextHandle ctx) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   auto it = s.contexts.find(ctx.value());
   if (it == s.contexts.end()) {
     return s.Misuse("cuCtxPushCurrent", cu::kErrorInvalidContext,
@@ -658,6 +699,7 @@ absl::Status SimDriver::CtxPushCurrent(ContextHandle ctx) {
 absl::StatusOr<ContextHandle> SimDriver::CtxPopCurrent() {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   std::vector<std::uint64_t>& stack = ThreadCtxStack(s.driver_id);
   if (stack.empty()) {
     return s.Misuse("cuCtxPopCurrent", cu::kErrorInvalidContext,
@@ -677,6 +719,7 @@ absl::StatusOr<ContextHandle> SimDriver::CtxGetCurrent() {
 absl::Status SimDriver::CtxSetCurrent(ContextHandle ctx) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   std::vector<std::uint64_t>& stack = ThreadCtxStack(s.driver_id);
   if (ctx.is_null()) {
     if (!stack.empty()) stack.pop_back();
@@ -703,6 +746,7 @@ absl::Status SimDriver::CtxSetCurrent(ContextHandle ctx) {
 absl::StatusOr<int> SimDriver::CtxGetDevice() {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx, s.Current("cuCtxGetDevice"));
   return ctx->device;
 }
@@ -710,6 +754,7 @@ absl::StatusOr<int> SimDriver::CtxGetDevice() {
 absl::Status SimDriver::CtxSynchronize() {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kCtxSynchronize));
   CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx, s.Current("cuCtxSynchronize"));
   std::vector<std::uint32_t> all = ctx->streams;
@@ -738,6 +783,7 @@ absl::Status SimDriver::CtxSynchronize() {
 absl::StatusOr<std::size_t> SimDriver::CtxGetLimit(ContextLimit limit) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx, s.Current("cuCtxGetLimit"));
   const int i = static_cast<int>(limit);
   if (i < 0 || i >= 3) {
@@ -750,6 +796,7 @@ absl::StatusOr<std::size_t> SimDriver::CtxGetLimit(ContextLimit limit) {
 absl::Status SimDriver::CtxSetLimit(ContextLimit limit, std::size_t value) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx, s.Current("cuCtxSetLimit"));
   const int i = static_cast<int>(limit);
   if (i < 0 || i >= 3) {
@@ -763,6 +810,7 @@ absl::Status SimDriver::CtxSetLimit(ContextLimit limit, std::size_t value) {
 absl::StatusOr<MemInfo> SimDriver::MemGetInfo() {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx, s.Current("cuMemGetInfo"));
   const State::Device& d = s.devices[ctx->device];
   MemInfo info;
@@ -779,6 +827,7 @@ absl::StatusOr<StreamHandle> SimDriver::StreamCreate(unsigned flags,
                                                      int priority) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kStreamCreate));
   CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx,
                            s.Current("cuStreamCreateWithPriority"));
@@ -797,6 +846,7 @@ absl::StatusOr<StreamHandle> SimDriver::StreamCreate(unsigned flags,
 absl::Status SimDriver::StreamDestroy(StreamHandle stream) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kStreamDestroy));
   CTXPOOL_RETURN_IF_ERROR(s.Current("cuStreamDestroy").status());
   if (stream.is_null()) {
@@ -818,6 +868,7 @@ absl::Status SimDriver::StreamDestroy(StreamHandle stream) {
 absl::StatusOr<bool> SimDriver::StreamQuery(StreamHandle stream) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kStreamQuery));
   CTXPOOL_RETURN_IF_ERROR(s.Current("cuStreamQuery").status());
   CTXPOOL_ASSIGN_OR_RETURN(std::uint32_t index,
@@ -831,6 +882,7 @@ absl::StatusOr<bool> SimDriver::StreamQuery(StreamHandle stream) {
 absl::Status SimDriver::StreamSynchronize(StreamHandle stream) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kStreamSynchronize));
   CTXPOOL_RETURN_IF_ERROR(s.Current("cuStreamSynchronize").status());
   CTXPOOL_ASSIGN_OR_RETURN(
@@ -851,6 +903,7 @@ absl::Status SimDriver::StreamSynchronize(StreamHandle stream) {
 absl::StatusOr<StreamPriorityRange> SimDriver::StreamGetPriorityRange() {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Current("cuCtxGetStreamPriorityRange").status());
   StreamPriorityRange range;
   range.least = kPriorityLeast;
@@ -862,6 +915,7 @@ absl::Status SimDriver::StreamWaitEvent(StreamHandle stream,
                                         EventHandle event) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kStreamWaitEvent));
   CTXPOOL_RETURN_IF_ERROR(s.Current("cuStreamWaitEvent").status());
   CTXPOOL_ASSIGN_OR_RETURN(std::uint32_t index,
@@ -886,6 +940,7 @@ absl::Status SimDriver::LaunchHostFunc(StreamHandle stream, HostFn fn,
   State& s = *state_;
   {
     absl::MutexLock lock(&s.mu);
+    const CallScope scope;
     CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kLaunchHostFunc));
     CTXPOOL_RETURN_IF_ERROR(s.Current("cuLaunchHostFunc").status());
     CTXPOOL_ASSIGN_OR_RETURN(
@@ -912,6 +967,7 @@ absl::Status SimDriver::LaunchHostFunc(StreamHandle stream, HostFn fn,
 absl::StatusOr<EventHandle> SimDriver::EventCreate(unsigned flags) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kEventCreate));
   CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx, s.Current("cuEventCreate"));
   const std::uint64_t handle = s.NextHandle(kEventBase);
@@ -925,6 +981,7 @@ absl::StatusOr<EventHandle> SimDriver::EventCreate(unsigned flags) {
 absl::Status SimDriver::EventDestroy(EventHandle event) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kEventDestroy));
   CTXPOOL_RETURN_IF_ERROR(s.Current("cuEventDestroy").status());
   CTXPOOL_RETURN_IF_ERROR(s.ResolveEvent("cuEventDestroy", event).status());
@@ -936,6 +993,7 @@ absl::Status SimDriver::EventDestroy(EventHandle event) {
 absl::Status SimDriver::EventRecord(EventHandle event, StreamHandle stream) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kEventRecord));
   CTXPOOL_RETURN_IF_ERROR(s.Current("cuEventRecord").status());
   CTXPOOL_ASSIGN_OR_RETURN(std::uint32_t index,
@@ -956,6 +1014,7 @@ absl::Status SimDriver::EventRecord(EventHandle event, StreamHandle stream) {
 absl::StatusOr<bool> SimDriver::EventQuery(EventHandle event) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kEventQuery));
   CTXPOOL_RETURN_IF_ERROR(s.Current("cuEventQuery").status());
   CTXPOOL_ASSIGN_OR_RETURN(State::Event * e,
@@ -968,6 +1027,7 @@ absl::StatusOr<bool> SimDriver::EventQuery(EventHandle event) {
 absl::Status SimDriver::EventSynchronize(EventHandle event) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kEventSynchronize));
   CTXPOOL_RETURN_IF_ERROR(s.Current("cuEventSynchronize").status());
   CTXPOOL_ASSIGN_OR_RETURN(State::Event * e,
@@ -988,6 +1048,7 @@ absl::Status SimDriver::EventSynchronize(EventHandle event) {
 absl::StatusOr<DevicePtr> SimDriver::MemAlloc(std::size_t bytes) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemAlloc, bytes));
   CTXPOOL_ASSIGN_OR_RETURN(State::Context * ctx, s.Current("cuMemAlloc"));
   if (bytes == 0) {
@@ -1008,6 +1069,7 @@ absl::StatusOr<DevicePtr> SimDriver::MemAlloc(std::size_t bytes) {
 absl::Status SimDriver::MemFree(DevicePtr ptr) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemFree));
   CTXPOOL_RETURN_IF_ERROR(s.Current("cuMemFree").status());
   if (ptr.is_null()) return absl::OkStatus();
@@ -1035,6 +1097,7 @@ absl::Status SimDriver::MemsetD8Async(DevicePtr dst, unsigned char value,
                                       std::size_t bytes, StreamHandle stream) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemsetAsync));
   CTXPOOL_RETURN_IF_ERROR(s.Current("cuMemsetD8Async").status());
   CTXPOOL_ASSIGN_OR_RETURN(std::uint32_t index,
@@ -1053,6 +1116,7 @@ absl::Status SimDriver::MemcpyAsync(DevicePtr dst, DevicePtr src,
                                     std::size_t bytes, StreamHandle stream) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemcpyAsync));
   CTXPOOL_RETURN_IF_ERROR(s.Current("cuMemcpyAsync").status());
   CTXPOOL_ASSIGN_OR_RETURN(std::uint32_t index,
@@ -1077,6 +1141,7 @@ absl::StatusOr<void*> SimDriver::MemHostAlloc(std::size_t bytes,
                                               unsigned flags) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemHostAlloc, bytes));
   CTXPOOL_RETURN_IF_ERROR(s.Current("cuMemHostAlloc").status());
   if (bytes == 0) {
@@ -1097,6 +1162,7 @@ absl::StatusOr<void*> SimDriver::MemHostAlloc(std::size_t bytes,
 absl::Status SimDriver::MemFreeHost(void* ptr) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemFreeHost));
   auto it = s.host_ranges.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (it == s.host_ranges.end() || !it->second.allocated) {
@@ -1120,6 +1186,7 @@ absl::Status SimDriver::MemHostRegister(void* ptr, std::size_t bytes,
                                         unsigned flags) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemHostRegister, bytes));
   CTXPOOL_RETURN_IF_ERROR(s.Current("cuMemHostRegister").status());
   const std::uint64_t lo = reinterpret_cast<std::uintptr_t>(ptr);
@@ -1145,6 +1212,7 @@ absl::Status SimDriver::MemHostRegister(void* ptr, std::size_t bytes,
 absl::Status SimDriver::MemHostUnregister(void* ptr) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemHostUnregister));
   CTXPOOL_RETURN_IF_ERROR(s.Current("cuMemHostUnregister").status());
   auto it = s.host_ranges.find(reinterpret_cast<std::uintptr_t>(ptr));

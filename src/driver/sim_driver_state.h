@@ -60,6 +60,15 @@ inline std::atomic<std::uint64_t> g_next_driver_id{1};
 
 inline thread_local std::int64_t t_simulated_ns = 0;
 
+// How many SimDriver calls the thread is inside (SimDriver::InCall).
+inline thread_local int t_call_depth = 0;
+struct CallScope {
+  CallScope() { ++t_call_depth; }
+  ~CallScope() { --t_call_depth; }
+  CallScope(const CallScope&) = delete;
+  CallScope& operator=(const CallScope&) = delete;
+};
+
 // The calling thread's context stack for each SimDriver (keyed by a unique
 // driver id, never by address, so a new SimDriver at a reused address starts
 // with an empty stack).
@@ -72,6 +81,7 @@ inline std::vector<std::uint64_t>& ThreadCtxStack(std::uint64_t driver_id) {
 }  // namespace sim_internal
 
 // The SimDriver files use these unqualified.
+using sim_internal::CallScope;
 using sim_internal::ClockAt;
 using sim_internal::g_next_driver_id;
 using sim_internal::IsPowerOfTwo;

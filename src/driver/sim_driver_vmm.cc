@@ -24,6 +24,7 @@ namespace ctxpool {
 absl::StatusOr<std::size_t> SimDriver::MemGetAllocationGranularity(int device) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(
       s.CheckDevice("cuMemGetAllocationGranularity", device));
   return s.devices[device].spec.vmm_granularity;
@@ -33,6 +34,7 @@ absl::StatusOr<DevicePtr> SimDriver::MemAddressReserve(std::size_t bytes,
                                                        std::size_t alignment) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemAddressReserve));
   const std::size_t granularity = s.devices[0].spec.vmm_granularity;
   if (bytes == 0 || bytes % granularity != 0) {
@@ -55,6 +57,7 @@ absl::StatusOr<DevicePtr> SimDriver::MemAddressReserve(std::size_t bytes,
 absl::Status SimDriver::MemAddressFree(DevicePtr ptr, std::size_t bytes) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemAddressFree));
   auto it = s.reservations.find(ptr.address());
   if (it == s.reservations.end() || it->second != bytes) {
@@ -78,6 +81,7 @@ absl::StatusOr<PhysicalMemHandle> SimDriver::MemCreate(std::size_t bytes,
                                                        int device) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemCreate, bytes));
   CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuMemCreate", device));
   State::Device& d = s.devices[device];
@@ -101,6 +105,7 @@ absl::StatusOr<PhysicalMemHandle> SimDriver::MemCreate(std::size_t bytes,
 absl::Status SimDriver::MemRelease(PhysicalMemHandle handle) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   auto it = s.physical.find(handle.value());
   CTXPOOL_RETURN_IF_ERROR(s.Enter(
       SimCall::kMemRelease, it == s.physical.end() ? 0 : it->second.bytes));
@@ -123,6 +128,7 @@ absl::Status SimDriver::MemMap(DevicePtr ptr, std::size_t bytes,
                                std::size_t offset, PhysicalMemHandle handle) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemMap, bytes));
   auto phys = s.physical.find(handle.value());
   if (phys == s.physical.end() || phys->second.released) {
@@ -179,6 +185,7 @@ absl::Status SimDriver::MemMap(DevicePtr ptr, std::size_t bytes,
 absl::Status SimDriver::MemUnmap(DevicePtr ptr, std::size_t bytes) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemUnmap, bytes));
   const std::uint64_t lo = ptr.address();
   const std::uint64_t hi = lo + bytes;
@@ -223,6 +230,7 @@ absl::Status SimDriver::MemSetAccess(DevicePtr ptr, std::size_t bytes,
                                      int device) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
+  const CallScope scope;
   CTXPOOL_RETURN_IF_ERROR(s.Enter(SimCall::kMemSetAccess, bytes));
   CTXPOOL_RETURN_IF_ERROR(s.CheckDevice("cuMemSetAccess", device));
   const std::uint64_t lo = ptr.address();

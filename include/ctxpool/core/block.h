@@ -122,6 +122,11 @@ class BlockPool {
     free_ = b;
     --live_;
   }
+  // Makes sure the next New() does not allocate: refills now if the
+  // free-list is empty. Throws std::bad_alloc with the pool as it was.
+  void Reserve() {
+    if (free_ == nullptr) Refill();
+  }
   // Blocks handed out and not deleted.
   std::size_t live() const { return live_; }
   // Blocks owned (live + recycled).

@@ -273,6 +273,10 @@ class SimDriver final : public Driver {
   // Simulated nanoseconds spent by calls made on the calling thread; a replay
   // reads it before and after an allocator call to get that call's cost.
   static std::int64_t thread_simulated_time_ns();
+  // True while the calling thread is inside a SimDriver call: tests that
+  // fail host allocations to attack the allocator leave the simulator's own
+  // alone (a real driver does not allocate through operator new).
+  static bool InCall();
 
   // ---- Counters ------------------------------------------------------------
   std::uint64_t call_count(SimCall call) const;
