@@ -47,6 +47,11 @@ class HostOomTest : public test::DeviceAllocatorFixture,
     const DevicePtr p = Alloc(bytes, s);
     if (!p.is_null()) held_.push_back(p);
   }
+  // Holds `keep` bytes, then makes `bytes` a free block after it.
+  void HoldThenFree(std::size_t keep, std::size_t bytes, StreamHandle s) {
+    Hold(keep, s);
+    Free(Alloc(bytes, s));
+  }
   void FreeHeld() {
     for (DevicePtr p : held_) Free(p);
     held_.clear();
@@ -99,15 +104,10 @@ class HostOomTest : public test::DeviceAllocatorFixture,
 
 constexpr std::size_t kGiB = std::size_t{1} << 30;
 
-// A stream's first request (classic: a new segment): the shard made (its
-// live map sized, the stream tables grown), a segment and its blocks. This is
-// where an Abseil table that grew during a std::bad_alloc corrupted the heap.
-// Expandable mode's slow path (a range reserved, granules mapped) is not yet
-// safe throughout; it is swept only through its cached path below.
+// A stream's first requests: the shard made (its live map sized, the stream
+// tables grown), a segment or a range and its blocks. This is where an
+// Abseil table that grew during a std::bad_alloc corrupted the heap.
 TEST_P(HostOomTest, FirstRequestOfANewStream) {
-  if (GetParam() == BackingMode::kExpandable) {
-    GTEST_SKIP() << "the expandable slow path is not bad_alloc-safe yet";
-  }
   const int n = Sweep(
       8 * kGiB, [] {},
       [&] {
@@ -133,6 +133,48 @@ TEST_P(HostOomTest, ManyCachedRequests) {
         Hold(40 * kMiB, a1_);
       });
   EXPECT_GE(n, 2);  // the arena's refill and the live map's growth
+}
+
+// Slow paths: a cold large request (expandable: a range reserved, chunks
+// created, mapped, set accessible, the block carved), one mapped from
+// cached pieces (one split, the rest cached again), one that extends a
+// mapped free block over the hole after it, and one the device holds only
+// once another stream's free granules are unmapped and mapped again here.
+TEST_P(HostOomTest, ColdLargeRequest) {
+  EXPECT_GT(Sweep(
+                8 * kGiB, [] {}, [&] { Hold(64 * kMiB + 3 * 1024, a1_); }),
+            0);
+}
+
+TEST_P(HostOomTest, RequestFromCachedPieces) {
+  const auto setup = [&] {
+    HoldThenFree(10 * kMiB, 96 * kMiB, a1_);
+    ASSERT_TRUE(alloc_->Trim(kGiB).ok());
+  };
+  EXPECT_GT(Sweep(8 * kGiB, setup, [&] { Hold(40 * kMiB + 4096, b1_); }), 0);
+}
+
+TEST_P(HostOomTest, RequestThatExtendsAFreeBlock) {
+  const auto setup = [&] { HoldThenFree(6 * kMiB, 30 * kMiB, a1_); };
+  EXPECT_GT(Sweep(8 * kGiB, setup, [&] { Hold(200 * kMiB, a1_); }), 0);
+}
+
+TEST_P(HostOomTest, RequestThatReclaimsAnotherStream) {
+  const auto setup = [&] { HoldThenFree(8 * kMiB, 150 * kMiB, b1_); };
+  EXPECT_GT(Sweep(256 * kMiB, setup, [&] { Hold(150 * kMiB, a1_); }), 0);
+}
+
+// Trim: granules unmapped into the cache (expandable), segments and chunks
+// released.
+TEST_P(HostOomTest, Trim) {
+  const int n = Sweep(
+      8 * kGiB,
+      [&] {
+        HoldThenFree(6 * kMiB, 100 * kMiB, a1_);
+        Hold(2 * kMiB, b1_);
+      },
+      [&] { (void)alloc_->Trim(0); });
+  EXPECT_GT(n, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backings, HostOomTest, test::kBothBackings,

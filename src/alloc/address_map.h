@@ -241,6 +241,9 @@ class SegmentPageMap {
 // change (a range is reserved once per stream and pool), each version kept
 // until destruction.
 class RangeTable {
+ private:
+  struct Table;
+
  public:
   RangeTable() { table_.store(&empty_, std::memory_order_release); }
   RangeTable(const RangeTable&) = delete;
@@ -268,14 +271,24 @@ class RangeTable {
                       e);
     Publish(std::move(t));
   }
-  void Erase(const Segment* seg) {
+  void Erase(const Segment* seg) { CommitErase(PrepareErase(seg)); }
+  // Erase in two steps, for a caller that must not meet std::bad_alloc
+  // after it gave the range back: PrepareErase makes the next version (and
+  // throws with nothing changed), CommitErase publishes it and cannot
+  // throw. REQUIRES: no other write between the two.
+  struct Prepared {
+    std::unique_ptr<Table> table;
+  };
+  Prepared PrepareErase(const Segment* seg) {
     auto t = std::make_unique<Table>(*table_.load(std::memory_order_relaxed));
     t->entries.erase(
         std::remove_if(t->entries.begin(), t->entries.end(),
                        [&](const Entry& e) { return e.segment == seg; }),
         t->entries.end());
-    Publish(std::move(t));
+    versions_.reserve(versions_.size() + 1);
+    return Prepared{std::move(t)};
   }
+  void CommitErase(Prepared p) { Publish(std::move(p.table)); }
 
  private:
   struct Entry {

@@ -1245,6 +1245,7 @@ class CachingDeviceAllocator::Impl {
             pending_.size()));
       }
       absl::flat_hash_set<std::uint64_t> idle;
+      core_internal::MakeRoom(idle, streams_.size());  // see DropWholeFree
       for (const auto& [base, seg] : segments_) {
         StreamState* owner = ShardOf(seg);
         owner->mu.AssertHeld();
@@ -2470,6 +2471,7 @@ class CachingDeviceAllocator::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, to->mu) {
     StreamState* from = ShardOf(seg);
     from->mu.AssertHeld();
+    to->blocks.Reserve();  // std::bad_alloc before anything changes
     if (from->retired) {
       absl::Status s =
           driver_.StreamWaitEvent(StreamHandle(to->stream), from->retire_event);
@@ -2577,6 +2579,8 @@ class CachingDeviceAllocator::Impl {
       // Unmap every piece (to the cache), then give the range back.
       VmmRange* r = RangeOf(seg);
       bool unreserved = false;
+      // Host memory first: the range table's next version.
+      RangeTable::Prepared erased = ranges_.PrepareErase(seg);
       if (free_memory) {
         std::vector<std::size_t> starts;
         for (const auto& [start, piece] : r->pieces) starts.push_back(start);
@@ -2607,7 +2611,7 @@ class CachingDeviceAllocator::Impl {
         vmm_.Forget(r);
       }
       ss->range[PoolIndex(small)] = nullptr;
-      ranges_.Erase(seg);
+      ranges_.CommitErase(std::move(erased));
     } else {
       if (free_memory) {
         s = backing_->Free(
@@ -2747,6 +2751,9 @@ class CachingDeviceAllocator::Impl {
               });
     absl::flat_hash_set<std::uint64_t> idle;
     absl::flat_hash_set<std::uint64_t> busy;
+    // Room first: a set that grows during a std::bad_alloc is left corrupt.
+    core_internal::MakeRoom(idle, candidates.size());
+    core_internal::MakeRoom(busy, candidates.size());
     absl::Status first_error;
     for (Segment* seg : candidates) {
       if (done()) break;
@@ -3041,6 +3048,13 @@ class CachingDeviceAllocator::Impl {
                                 std::uint64_t hi)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     VmmRange* r = RangeOf(seg);
+    // Host memory first: the blocks Carve and the TakeBlock after it make,
+    // and room in the live map (a std::bad_alloc after the driver mapped
+    // would strand the mapping off the books).
+    StreamState* ss = ShardOf(seg);
+    ss->mu.AssertHeld();
+    ss->blocks.Reserve(3);
+    core_internal::MakeRoom(ss->live, 1);
     std::vector<StuckPiece> stuck;
     absl::Status s =
         vmm_.MapRun(r, (lo - r->base) / granule_, (hi - lo) / granule_, &stuck);
@@ -3205,6 +3219,7 @@ class CachingDeviceAllocator::Impl {
     // Per block, the pieces to unmap: a contiguous span [lo, hi) of granules.
     absl::InlinedVector<GranuleRun, 8> todo;
     std::size_t bytes = 0;
+    std::size_t npieces = 0;
     ForFreeGranuleRuns(ss, skip_lo, skip_hi, [&](const GranuleRun& run) {
       if (bytes >= want) return false;
       const VmmRange* r = RangeOf(run.block->segment);
@@ -3227,11 +3242,16 @@ class CachingDeviceAllocator::Impl {
         if (take.hi == 0) take.hi = it->second;
         take.lo = it->first;
         bytes += (it->second - it->first) * granule_;
+        ++npieces;
       }
       if (take.hi != 0) todo.push_back(take);
       return true;
     });
     if (todo.empty()) return absl::OkStatus();
+    // Host memory first: the cache's room for the pieces and the blocks
+    // each Carve makes, so that no std::bad_alloc follows an unmap.
+    vmm_.ReserveCache(npieces);
+    ss->blocks.Reserve(2 * todo.size());
     if (wait) {
       int w = 0;
       absl::Status s = EnsureIdle(ss, &w);
@@ -4170,6 +4190,7 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
   // I14: the tenants' stream lists partition the streams by ss->tenant.
   {
     absl::flat_hash_set<const StreamState*> listed;
+    core_internal::MakeRoom(listed, streams_.size());  // see DropWholeFree
     for (std::size_t t = 0; t < tenants_.size(); ++t) {
       std::size_t mapped = 0;
       for (const StreamState* ss : tenants_[t]->streams) {

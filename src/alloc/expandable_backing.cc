@@ -13,6 +13,7 @@
 #include "absl/numeric/bits.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
+#include "ctxpool/core/internal/table_room.h"
 #include "ctxpool/driver/cuda_errors.h"
 #include "ctxpool/status.h"
 #include "segment_backing.h"
@@ -86,8 +87,18 @@ std::size_t ExpandableBacking::UnitGranules(std::size_t n) const {
 
 absl::Status ExpandableBacking::AcquirePieces(
     std::size_t n, std::size_t unit, std::vector<CachedPiece>* pieces) {
+  // Before each piece, room for it in `pieces` and, in the cache, for all
+  // of them and a split's rest: the caller can always give them back
+  // without allocating (std::bad_alloc, see MapRun).
+  auto room = [&] {
+    if (pieces->size() == pieces->capacity()) {
+      pieces->reserve(2 * pieces->size() + 4);
+    }
+    ReserveCache(pieces->size() + 2);
+  };
   std::size_t got = 0;
   while (got < n && !cache_.empty()) {
+    room();
     CachedPiece p = cache_.back();
     cache_.pop_back();
     cache_granules_ -= p.count;
@@ -110,6 +121,8 @@ absl::Status ExpandableBacking::AcquirePieces(
   while (got < n) {
     const auto count = static_cast<std::uint32_t>(
         std::min(chunk - (got - cached) % chunk, n - got));
+    room();
+    core_internal::MakeRoom(phys_, 1);  // before the driver holds anything
     absl::StatusOr<PhysicalMemHandle> created =
         driver_.MemCreate(count * granule_, device_);
     if (!created.ok()) {
@@ -123,20 +136,23 @@ absl::Status ExpandableBacking::AcquirePieces(
       return created.status();
     }
     ++counters_.creates;
-    phys_[created->value()] = PhysChunk{count, 0, 0};
+    phys_.emplace(created->value(), PhysChunk{count, 0, 0});
     pieces->push_back({*created, 0, count, Now()});
     got += count;
   }
   return absl::OkStatus();
 }
 
-void ExpandableBacking::NotePiece(VmmRange* r, std::size_t i,
-                                  const CachedPiece& p) {
-  r->SetRun(i, p.count, p.handle, p.offset);
+void ExpandableBacking::NotePiece(VmmRange* r, const CachedPiece& p) {
   r->mapped += p.count * granule_;
   mapped_granules_ += p.count;
   counters_.granule_maps += p.count;
-  phys_[p.handle.value()].mapped += p.count;
+  phys_.find(p.handle.value())->second.mapped += p.count;
+}
+
+void ExpandableBacking::ReserveCache(std::size_t n) {
+  if (cache_.capacity() - cache_.size() >= n) return;
+  cache_.reserve(std::max(2 * cache_.capacity(), cache_.size() + n));
 }
 
 absl::Status ExpandableBacking::MapRun(VmmRange* r, std::size_t i0,
@@ -145,16 +161,29 @@ absl::Status ExpandableBacking::MapRun(VmmRange* r, std::size_t i0,
   const std::uint64_t lo = r->base + i0 * granule_;
   const std::uint64_t bytes = n * granule_;
   const std::size_t unit = UnitGranules(n);
+  // Host memory before the driver maps anything: a std::bad_alloc gives
+  // the pieces taken back to the cache (AcquirePieces made room for them)
+  // and leaves the books as they were.
   std::vector<CachedPiece> pieces;
-  absl::Status s = AcquirePieces(n, unit, &pieces);
+  std::vector<CachedPiece> maps;
+  absl::Status s;
+  try {
+    s = AcquirePieces(n, unit, &pieces);
+    if (s.ok()) {
+      maps.reserve(pieces.size() + n / unit + 1);
+      stuck->reserve(stuck->size() + maps.capacity());
+      ReserveCache(maps.capacity());  // a rollback caches mappings
+    }
+  } catch (...) {
+    for (const CachedPiece& p : pieces) CachePiece(p);
+    throw;
+  }
   if (!s.ok()) {
     for (const CachedPiece& p : pieces) CachePiece(p);
     return s;
   }
   // One mapping per piece, a cached piece larger than the unit of the
   // moment cut into units.
-  std::vector<CachedPiece> maps;
-  maps.reserve(pieces.size() + n / unit + 1);
   for (const CachedPiece& p : pieces) {
     for (std::uint32_t k = 0; k < p.count;) {
       const auto c =
@@ -162,6 +191,22 @@ absl::Status ExpandableBacking::MapRun(VmmRange* r, std::size_t i0,
       maps.push_back({p.handle, p.offset + k, c, p.since});
       k += c;
     }
+  }
+  // The range's entries before the driver maps anything.
+  std::size_t entered = 0;
+  try {
+    for (std::size_t i = i0; entered < maps.size(); ++entered) {
+      const CachedPiece& p = maps[entered];
+      r->SetRun(i, p.count, p.handle, p.offset);
+      i += p.count;
+    }
+  } catch (...) {
+    for (std::size_t k = 0, i = i0; k < entered; ++k) {
+      r->TakeRun(i);
+      i += maps[k].count;
+    }
+    for (const CachedPiece& p : pieces) CachePiece(p);
+    throw;
   }
   std::size_t done = 0;  // mappings made
   std::uint64_t at = lo;
@@ -177,33 +222,29 @@ absl::Status ExpandableBacking::MapRun(VmmRange* r, std::size_t i0,
     if (!s.ok()) ++counters_.driver_errors;
   }
   if (s.ok()) {
-    std::size_t i = i0;
-    for (const CachedPiece& p : maps) {
-      NotePiece(r, i, p);
-      i += p.count;
-    }
+    for (const CachedPiece& p : maps) NotePiece(r, p);
     return absl::OkStatus();
   }
   // Roll back (one retry per unmap); keep the pieces for the next growth.
   at = lo;
-  for (std::size_t k = 0; k < done; ++k) {
+  for (std::size_t k = 0; k < maps.size(); ++k) {
     const CachedPiece& p = maps[k];
     const DevicePtr where(at);
-    if (driver_.MemUnmap(where, p.count * granule_).ok() ||
-        driver_.MemUnmap(where, p.count * granule_).ok()) {
-      CachePiece(p);
-    } else {
-      ++counters_.driver_errors;
-      const std::size_t g = (at - r->base) / granule_;
-      const bool access =
-          driver_.MemSetAccess(where, p.count * granule_, device_).ok();
-      if (!access) ++counters_.driver_errors;
-      NotePiece(r, g, p);
-      stuck->push_back({g, p.count, access});
-    }
+    const std::size_t g = (at - r->base) / granule_;
     at += p.count * granule_;
+    if (k >= done || driver_.MemUnmap(where, p.count * granule_).ok() ||
+        driver_.MemUnmap(where, p.count * granule_).ok()) {
+      r->TakeRun(g);
+      CachePiece(p);
+      continue;
+    }
+    ++counters_.driver_errors;
+    const bool access =
+        driver_.MemSetAccess(where, p.count * granule_, device_).ok();
+    if (!access) ++counters_.driver_errors;
+    NotePiece(r, p);
+    stuck->push_back({g, p.count, access});
   }
-  for (std::size_t k = done; k < maps.size(); ++k) CachePiece(maps[k]);
   return s;
 }
 
@@ -215,11 +256,13 @@ absl::Status ExpandableBacking::UnmapPiece(VmmRange* r, std::size_t i,
   }
   const std::size_t end = r->PieceEnd(i, r->size / granule_);
   const std::size_t count = end - i;
+  ReserveCache(1);  // std::bad_alloc before the driver call, not after
   CTXPOOL_RETURN_IF_ERROR(
       driver_.MemUnmap(DevicePtr(r->base + i * granule_), count * granule_));
   const VmmRange::Piece p = r->TakeRun(i);
   CachePiece({p.handle, p.offset, static_cast<std::uint32_t>(count), Now()});
-  phys_[p.handle.value()].mapped -= static_cast<std::uint32_t>(count);
+  phys_.find(p.handle.value())->second.mapped -=
+      static_cast<std::uint32_t>(count);
   r->mapped -= count * granule_;
   mapped_granules_ -= count;
   counters_.granule_unmaps += static_cast<std::int64_t>(count);
@@ -233,7 +276,10 @@ absl::Status ExpandableBacking::ReleaseWhere(std::size_t keep_bytes,
   absl::Status first;
   if (cache_.empty()) return first;
   const std::size_t keep = keep_bytes / granule_;
+  // Room for every handle first: an insert that grew the set after a
+  // release could throw and leave it corrupt (table_room.h).
   absl::flat_hash_set<std::uint64_t> released;
+  core_internal::MakeRoom(released, cache_.size());
   std::size_t left = cache_granules_;
   for (const CachedPiece& p : cache_) {
     if (left <= keep) break;
@@ -281,6 +327,7 @@ absl::Status ExpandableBacking::Release(std::size_t keep_bytes,
 absl::Status ExpandableBacking::Decay(absl::Time cutoff, std::size_t* freed) {
   if (cache_.empty()) return absl::OkStatus();
   absl::flat_hash_set<std::uint64_t> fresh;  // a piece newer than cutoff
+  core_internal::MakeRoom(fresh, cache_.size());
   for (const CachedPiece& p : cache_) {
     if (p.since > cutoff) fresh.insert(p.handle.value());
   }

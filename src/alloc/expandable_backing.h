@@ -278,12 +278,16 @@ class ExpandableBacking {
   // would. On failure everything is rolled back into the cache except the
   // pieces in *stuck, which could be neither given access nor unmapped and
   // stay mapped on the books (so that their addresses are never mapped
-  // twice).
+  // twice). A std::bad_alloc (host memory) leaves the books as they were:
+  // the host memory is taken before the driver maps anything.
   absl::Status MapRun(VmmRange* r, std::size_t i0, std::size_t n,
                       std::vector<StuckPiece>* stuck);
   // Unmaps the mapping that starts at granule `i` of `r` into the cache;
   // *n = its granules. REQUIRES: no queued work uses it.
   absl::Status UnmapPiece(VmmRange* r, std::size_t i, std::size_t* n);
+  // Room in the cache for `n` more pieces, so that caching them cannot
+  // throw std::bad_alloc. Throws it with nothing changed.
+  void ReserveCache(std::size_t n);
 
   // Releases cached physical allocations, oldest piece first, until at
   // most `keep_bytes` stay cached (adds the bytes freed to *freed). Only an
@@ -316,7 +320,9 @@ class ExpandableBacking {
   template <typename Pick>
   absl::Status ReleaseWhere(std::size_t keep_bytes, std::size_t* freed,
                             Pick pick);
-  void NotePiece(VmmRange* r, std::size_t i, const CachedPiece& p);
+  // Books a mapping whose entry is in `r`: mapped counts and its chunk's.
+  void NotePiece(VmmRange* r, const CachedPiece& p);
+
   absl::Time Now() const { return now_ ? now_() : absl::Now(); }
 
   Driver& driver_;

@@ -28,6 +28,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/base/optimization.h"
 #include "absl/container/inlined_vector.h"
 #include "ctxpool/core/free_index.h"
 
@@ -122,10 +123,11 @@ class BlockPool {
     free_ = b;
     --live_;
   }
-  // Makes sure the next New() does not allocate: refills now if the
-  // free-list is empty. Throws std::bad_alloc with the pool as it was.
-  void Reserve() {
-    if (free_ == nullptr) Refill();
+  // Makes sure the next `n` New() calls do not allocate: refills now if
+  // fewer blocks are free. Throws std::bad_alloc with the pool as it was.
+  void Reserve(std::size_t n = 1) {
+    if (ABSL_PREDICT_TRUE(free_ != nullptr) && n == 1) return;
+    while (capacity_ - live_ < n) Refill();
   }
   // Blocks handed out and not deleted.
   std::size_t live() const { return live_; }
