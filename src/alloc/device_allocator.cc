@@ -150,6 +150,7 @@
 #include "ctxpool/core/fragmentation.h"
 #include "ctxpool/core/free_index.h"
 #include "ctxpool/core/internal/coarse_clock.h"
+#include "ctxpool/core/internal/format.h"
 #include "ctxpool/core/internal/spin_lock.h"
 #include "ctxpool/core/internal/table_room.h"
 #include "ctxpool/core/segment.h"
@@ -457,30 +458,30 @@ absl::Status ValidateDeviceAllocatorOptions(const DeviceAllocatorOptions& o) {
       o.large_segment_bytes <= o.small_size_limit ||
       o.large_segment_bytes % o.round_bytes != 0 ||
       o.large_round_bytes % o.round_bytes != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
+    return absl::InvalidArgumentError(core_internal::Format(
         "inconsistent segment sizes: round %d, small limit %d, small segment "
         "%d, large segment %d, large round %d",
         o.round_bytes, o.small_size_limit, o.small_segment_bytes,
         o.large_segment_bytes, o.large_round_bytes));
   }
   if (o.vmm_chunk_units < 1 || o.vmm_chunk_units > kMaxVmmChunkUnits) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("vmm_chunk_units must be between 1 and %d, not %d",
-                        kMaxVmmChunkUnits, o.vmm_chunk_units));
+    return absl::InvalidArgumentError(core_internal::Format(
+        "vmm_chunk_units must be between 1 and %d, not %d", kMaxVmmChunkUnits,
+        o.vmm_chunk_units));
   }
   return absl::OkStatus();
 }
 
 std::string OomReport::ToString() const {
   if (tenant_limit) {
-    return absl::StrFormat(
+    return core_internal::Format(
         "out of memory for tenant '%s': requested %d bytes on stream 0x%x "
         "needs %d more bytes of physical memory; the tenant holds %d bytes "
         "(%d live) and its max is %d bytes",
         tenant, requested_bytes, stream.value(), growth_bytes, tenant_bytes,
         tenant_live_bytes, tenant_max_bytes);
   }
-  std::string out = absl::StrFormat(
+  std::string out = core_internal::Format(
       "out of memory: requested %d bytes (%d rounded) on stream 0x%x; live "
       "%d bytes, reserved %d bytes, largest free block %d bytes, "
       "fragmentation %.3f; device free %d of %d bytes",
@@ -488,8 +489,8 @@ std::string OomReport::ToString() const {
       reserved_bytes, largest_free_bytes, fragmentation, device_free_bytes,
       device_total_bytes);
   if (memory_limit_bytes != 0) {
-    absl::StrAppendFormat(&out, "; the allocator's memory_limit_bytes is %d",
-                          memory_limit_bytes);
+    core_internal::AppendFormat(
+        &out, "; the allocator's memory_limit_bytes is %d", memory_limit_bytes);
   }
   return out;
 }
@@ -657,9 +658,10 @@ class CachingDeviceAllocator::Impl {
     }
     AllShards lock(this);
     ++invalid_requests_;
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "RecordStream(0x%x): not the start of a live block%s", ptr.address(),
-        owner != kAnyOwner ? " of this owner" : ""));
+    return absl::InvalidArgumentError(  // StrCat: see CheckFree
+        absl::StrCat("RecordStream(0x", absl::Hex(ptr.address()),
+                     "): not the start of a live block",
+                     owner != kAnyOwner ? " of this owner" : ""));
   }
 
  private:
@@ -719,7 +721,7 @@ class CachingDeviceAllocator::Impl {
       CTXPOOL_RETURN_IF_ERROR(CheckOwner("Allocate", owner, bytes));
     }
     ++invalid_requests_;
-    return absl::InvalidArgumentError(absl::StrFormat(
+    return absl::InvalidArgumentError(core_internal::Format(
         "Allocate(%d bytes): larger than device %d's total memory (%d "
         "bytes)",
         bytes, device_, device_total_));
@@ -790,6 +792,17 @@ class CachingDeviceAllocator::Impl {
   template <bool kChecked>
   absl::Status DeallocateSlowPath(DevicePtr ptr, const FreeCheck& check)
       ABSL_LOCKS_EXCLUDED(mu_) {
+    // Deallocate is noexcept: host memory running out is an error here,
+    // with the block still live (each step takes its memory first).
+    try {
+      return DeallocateSlowPathImpl<kChecked>(ptr, check);
+    } catch (const std::bad_alloc&) {
+      return host_oom_;  // a copy shares the message: no allocation
+    }
+  }
+  template <bool kChecked>
+  absl::Status DeallocateSlowPathImpl(DevicePtr ptr, const FreeCheck& check)
+      ABSL_LOCKS_EXCLUDED(mu_) {
     AllShards lock(this);
     StreamState* ss = ShardOfAddress(ptr.address());
     Block* b = nullptr;
@@ -800,10 +813,10 @@ class CachingDeviceAllocator::Impl {
     }
     if (ABSL_PREDICT_FALSE(b == nullptr)) {
       CountInvalidFree(check.owner);
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "Deallocate(0x%x): not the start of a live block of this allocator "
-          "(foreign pointer or double free)",
-          ptr.address()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("Deallocate(0x", absl::Hex(ptr.address()),
+                       "): not the start of a live block of this allocator "
+                       "(foreign pointer or double free)"));
     }
     ss->mu.AssertHeld();
     if constexpr (kChecked) {
@@ -1032,7 +1045,7 @@ class CachingDeviceAllocator::Impl {
   static absl::Status ValidateBudget(const Budget& b) {
     if (b.min > b.max) {
       return absl::InvalidArgumentError(
-          absl::StrFormat("budget min %d > max %d bytes", b.min, b.max));
+          core_internal::Format("budget min %d > max %d bytes", b.min, b.max));
     }
     return absl::OkStatus();
   }
@@ -1080,12 +1093,12 @@ class CachingDeviceAllocator::Impl {
         fork_guard_.Check("CachingDeviceAllocator::UnregisterTenant"));
     SpinLockHolder lock(&mu_);
     if (tenant == kDefaultTenant || !KnownTenant(tenant)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
+      return absl::InvalidArgumentError(core_internal::Format(
           "UnregisterTenant: unknown or default tenant %d", tenant));
     }
     if (const std::vector<StreamState*>& bound = tenants_[tenant]->streams;
         !bound.empty()) {
-      return absl::FailedPreconditionError(absl::StrFormat(
+      return absl::FailedPreconditionError(core_internal::Format(
           "UnregisterTenant: tenant '%s' still has stream 0x%x bound",
           tenants_[tenant]->name, bound.front()->stream));
     }
@@ -1098,7 +1111,7 @@ class CachingDeviceAllocator::Impl {
         fork_guard_.Check("CachingDeviceAllocator::UnbindStream"));
     AllShards lock(this);
     if (!bound_.contains(stream.value())) {
-      return absl::InvalidArgumentError(absl::StrFormat(
+      return absl::InvalidArgumentError(core_internal::Format(
           "UnbindStream: stream 0x%x is not bound", stream.value()));
     }
     StreamState* ss = GetStream(stream.value());
@@ -1118,14 +1131,19 @@ class CachingDeviceAllocator::Impl {
     AllShards lock(this);
     if (!KnownTenant(tenant)) {
       return absl::InvalidArgumentError(
-          absl::StrFormat("BindStream: unknown tenant %d", tenant));
+          core_internal::Format("BindStream: unknown tenant %d", tenant));
     }
-    if (!bound_.insert(stream.value()).second) {
-      return absl::InvalidArgumentError(absl::StrFormat(
+    if (bound_.contains(stream.value())) {
+      return absl::InvalidArgumentError(core_internal::Format(
           "BindStream: stream 0x%x is already bound", stream.value()));
     }
+    // Host memory first (table_room.h): a std::bad_alloc binds nothing.
+    core_internal::MakeRoom(bound_, 1);
     StreamState* ss = GetStream(stream.value());
     ss->mu.AssertHeld();
+    std::vector<StreamState*>& to = tenants_[tenant]->streams;
+    if (to.size() == to.capacity()) to.reserve(2 * to.size() + 4);
+    bound_.insert(stream.value());
     SetTenant(ss, tenant);
     return absl::OkStatus();
   }
@@ -1138,7 +1156,7 @@ class CachingDeviceAllocator::Impl {
     AllShards lock(this);
     if (!KnownTenant(tenant)) {
       return absl::InvalidArgumentError(
-          absl::StrFormat("SetBudget: unknown tenant %d", tenant));
+          core_internal::Format("SetBudget: unknown tenant %d", tenant));
     }
     tenants_[tenant]->budget = budget;
     for (StreamState* ss : tenants_[tenant]->streams) {
@@ -1183,7 +1201,8 @@ class CachingDeviceAllocator::Impl {
         fork_guard_.Check("CachingDeviceAllocator::GetTenantStats"));
     AllShards lock(this);
     if (!KnownTenant(tenant)) {
-      return absl::NotFoundError(absl::StrFormat("unknown tenant %d", tenant));
+      return absl::NotFoundError(
+          core_internal::Format("unknown tenant %d", tenant));
     }
     const Tenant& t = *tenants_[tenant];
     TenantStats st;
@@ -1215,14 +1234,14 @@ class CachingDeviceAllocator::Impl {
                 [](const Block* a, const Block* b) {
                   return a->address < b->address;
                 });
-      std::string msg = absl::StrFormat(
+      std::string msg = core_internal::Format(
           "Reset: %d allocations are live (pass force=true to drop them):",
           blocks.size());
       constexpr std::size_t kMaxListed = 32;
       for (std::size_t i = 0; i < blocks.size() && i < kMaxListed; ++i) {
-        absl::StrAppendFormat(&msg, " [ptr 0x%x, %d bytes, stream 0x%x]",
-                              blocks[i]->address, blocks[i]->size,
-                              blocks[i]->segment->stream);
+        core_internal::AppendFormat(&msg, " [ptr 0x%x, %d bytes, stream 0x%x]",
+                                    blocks[i]->address, blocks[i]->size,
+                                    blocks[i]->segment->stream);
       }
       if (blocks.size() > kMaxListed) {
         absl::StrAppend(&msg, " ...");
@@ -1239,7 +1258,7 @@ class CachingDeviceAllocator::Impl {
       int waits = 0;
       SyncPending(&waits);
       if (!force && !pending_.empty()) {
-        return absl::FailedPreconditionError(absl::StrFormat(
+        return absl::FailedPreconditionError(core_internal::Format(
             "Reset: %d freed blocks are still in use by streams that cannot "
             "be waited for",
             pending_.size()));
@@ -1393,7 +1412,7 @@ class CachingDeviceAllocator::Impl {
       auto it = ss->live.find(ptr.address());
       if (it != ss->live.end()) return ToInfo(*it->second);
     }
-    return absl::NotFoundError(absl::StrFormat(
+    return absl::NotFoundError(core_internal::Format(
         "0x%x is not the start of a live block", ptr.address()));
   }
 
@@ -1981,7 +2000,7 @@ class CachingDeviceAllocator::Impl {
 
   static absl::Status UnknownOwner(absl::string_view call, OwnerId owner) {
     return absl::NotFoundError(
-        absl::StrFormat("%s: owner %d is not registered", call, owner));
+        core_internal::Format("%s: owner %d is not registered", call, owner));
   }
 
   // OK when `owner` may be charged for `bytes` more: registered, open and
@@ -1992,12 +2011,12 @@ class CachingDeviceAllocator::Impl {
     OwnerRec* o = FindOwner(owner);
     if (ABSL_PREDICT_FALSE(o == nullptr)) {
       ++invalid_requests_;
-      return absl::InvalidArgumentError(absl::StrFormat(
+      return absl::InvalidArgumentError(core_internal::Format(
           "%s: owner %d is not registered with this allocator", call, owner));
     }
     if (ABSL_PREDICT_FALSE(o->closed.load(std::memory_order_relaxed))) {
       return absl::FailedPreconditionError(
-          absl::StrFormat("%s: owner '%s' is closed", call, o->name));
+          core_internal::Format("%s: owner '%s' is closed", call, o->name));
     }
     const std::size_t charge = Charge(bytes);
     const std::size_t live = OwnerLiveBytes(owner, *o);
@@ -2009,7 +2028,7 @@ class CachingDeviceAllocator::Impl {
   absl::Status OverBudget(OwnerRec& o, std::size_t bytes, std::size_t charge,
                           std::size_t live) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     ++o.rejections;
-    return absl::ResourceExhaustedError(absl::StrFormat(
+    return absl::ResourceExhaustedError(core_internal::Format(
         "'%s' is over its memory budget on device %d: requested %d B (%d B "
         "charged), live %d B, max %d B",
         o.name, device_, bytes, charge, live, o.max));
@@ -2064,23 +2083,26 @@ class CachingDeviceAllocator::Impl {
       CountInvalidFree(check.owner);
       const OwnerRec* mine = FindOwner(check.owner);
       const OwnerRec* theirs = FindOwner(b.owner);
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "Deallocate(0x%x): not a live allocation of %s (it belongs to "
-          "%s); nothing freed",
-          ptr.address(),
-          check.owner == kAnyOwner ? "any owner"
-          : mine != nullptr        ? absl::StrCat("'", mine->name, "'")
-                                   : std::string("an unknown owner"),
-          theirs != nullptr ? absl::StrCat("'", theirs->name, "'")
-                            : std::string("no owner")));
+      // StrCat, not StrFormat, on Deallocate's paths: StrFormat flushes in a
+      // destructor, where a std::bad_alloc terminates the process.
+      return absl::InvalidArgumentError(
+          absl::StrCat("Deallocate(0x", absl::Hex(ptr.address()),
+                       "): not a live allocation of ",
+                       check.owner == kAnyOwner ? "any owner"
+                       : mine != nullptr ? absl::StrCat("'", mine->name, "'")
+                                         : std::string("an unknown owner"),
+                       " (it belongs to ",
+                       theirs != nullptr ? absl::StrCat("'", theirs->name, "'")
+                                         : std::string("no owner"),
+                       "); nothing freed"));
     }
     if (!SizePasses(b, check)) {
       CountInvalidFree(check.owner);
       ++mismatched_frees_;
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "Deallocate(0x%x, %d bytes): the allocation was %d bytes; refused, "
-          "the block stays allocated",
-          ptr.address(), check.requested_bytes, b.requested));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Deallocate(0x", absl::Hex(ptr.address()), ", ",
+          check.requested_bytes, " bytes): the allocation was ", b.requested,
+          " bytes; refused, the block stays allocated"));
     }
     return absl::OkStatus();
   }
@@ -2214,7 +2236,7 @@ class CachingDeviceAllocator::Impl {
     if (ss->destroyed) return absl::OkStatus();
     if (ss->retired) {
       if (RetiredIdle(ss, /*wait=*/true, waits)) return absl::OkStatus();
-      return absl::InternalError(absl::StrFormat(
+      return absl::InternalError(core_internal::Format(
           "cannot wait for the work of retired stream 0x%x", ss->stream));
     }
     CTXPOOL_ASSIGN_OR_RETURN(EventHandle e, GetEvent());
@@ -2244,6 +2266,16 @@ class CachingDeviceAllocator::Impl {
     ScopedContext ctx(driver_, ctx_);
     CTXPOOL_RETURN_IF_ERROR(ctx.status());
     absl::InlinedVector<EventHandle, 4> events;
+    // Host memory first: the events, their way back to the pool and the
+    // pending entries cannot throw std::bad_alloc once events are recorded.
+    const std::size_t uses = b->stream_uses.size();
+    events.reserve(uses);
+    if (event_pool_.capacity() < event_pool_.size() + uses) {
+      event_pool_.reserve(2 * event_pool_.size() + uses);
+    }
+    if (pending_.capacity() < pending_.size() + uses) {
+      pending_.reserve(2 * pending_.size() + uses);
+    }
     bool need_sync = false;
     for (std::uint64_t s : b->stream_uses) {
       auto it = streams_.find(s);
@@ -2373,6 +2405,11 @@ class CachingDeviceAllocator::Impl {
       DeviceSegment* seg = free_segments_.back();
       free_segments_.pop_back();
       return seg;
+    }
+    // Room to recycle every object first, so that RecycleSegmentObject
+    // cannot throw std::bad_alloc (it runs after the driver freed memory).
+    if (free_segments_.capacity() <= segment_store_.size()) {
+      free_segments_.reserve(2 * segment_store_.size() + 8);
     }
     segment_store_.push_back(std::make_unique<DeviceSegment>());
     return segment_store_.back().get();
@@ -2583,7 +2620,9 @@ class CachingDeviceAllocator::Impl {
       RangeTable::Prepared erased = ranges_.PrepareErase(seg);
       if (free_memory) {
         std::vector<std::size_t> starts;
+        starts.reserve(r->pieces.size());
         for (const auto& [start, piece] : r->pieces) starts.push_back(start);
+        vmm_.ReserveCache(starts.size());  // no std::bad_alloc once unmapping
         for (std::size_t i : starts) {
           std::size_t n = 0;
           absl::Status u = UnmapPiece(seg, i, &n);
@@ -2916,6 +2955,8 @@ class CachingDeviceAllocator::Impl {
   // Moves `ss` (and the memory it holds) from its tenant to `t`.
   void SetTenant(StreamState* ss, TenantId t)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
+    std::vector<StreamState*>& to = tenants_[t]->streams;
+    if (to.size() == to.capacity()) to.reserve(2 * to.size() + 4);  // first
     std::vector<StreamState*>& from = tenants_[ss->tenant]->streams;
     from.erase(std::find(from.begin(), from.end(), ss));
     const std::size_t held = Current(ss->stats.reserved_bytes);
@@ -3635,8 +3676,14 @@ class CachingDeviceAllocator::Impl {
         AllocateMiss(ss, rounded, requested, small, report, oom, tag);
     TrimResult scratch;
     std::size_t busy = 0;
-    if (!expandable_) ShedAllAboveHigh(&scratch, &busy).IgnoreError();
-    DecayIdle(&scratch, &busy).IgnoreError();
+    // Housekeeping after the request is served: a std::bad_alloc in it must
+    // not lose the block served (each step keeps the books whole on its own).
+    try {
+      if (!expandable_) ShedAllAboveHigh(&scratch, &busy).IgnoreError();
+      DecayIdle(&scratch, &busy).IgnoreError();
+    } catch (const std::bad_alloc&) {
+      if (!p.ok()) throw;
+    }
     return p;
   }
 
@@ -3787,6 +3834,9 @@ class CachingDeviceAllocator::Impl {
   const std::unique_ptr<SegmentBacking> backing_;
   TraceRecorder recorder_;
   const ForkGuard fork_guard_;  // after fork(): every call fails
+  // What a Deallocate returns when host memory runs out, made up front.
+  const absl::Status host_oom_ = absl::ResourceExhaustedError(
+      "Deallocate: out of host memory; the block stays live");
 
   mutable SpinLock mu_;
   // The lock-free maps of the cached paths (address_map.h), written under
@@ -3856,13 +3906,13 @@ absl::Status CompareStats(const PoolStats& want, const PoolStats& got,
       const Stat& ws = (*w[i])[p];
       const Stat& gs = (*g[i])[p];
       if (ws.current != gs.current) {
-        return absl::InternalError(absl::StrFormat(
+        return absl::InternalError(core_internal::Format(
             "I6: %s stat %s[%d].current is %d but the blocks sum to %d", who,
             kNames[i], p, gs.current, ws.current));
       }
       if (gs.current < 0 || gs.peak < gs.current ||
           gs.current != gs.allocated - gs.freed) {
-        return absl::InternalError(absl::StrFormat(
+        return absl::InternalError(core_internal::Format(
             "%s stat %s[%d]: current %d, peak %d, allocated %d, freed %d", who,
             kNames[i], p, gs.current, gs.peak, gs.allocated, gs.freed));
       }
@@ -3896,17 +3946,17 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
   for (const auto& [base, seg_ptr] : segments_) {
     const Segment& seg = *seg_ptr;
     if (seg.base != base) {
-      return absl::InternalError(
-          absl::StrFormat("segment keyed 0x%x has base 0x%x", base, seg.base));
+      return absl::InternalError(core_internal::Format(
+          "segment keyed 0x%x has base 0x%x", base, seg.base));
     }
     CTXPOOL_RETURN_IF_ERROR(CheckSegmentTiling(seg));  // I1
     const StreamState* ss = ShardOf(&seg);
     auto sit = streams_.find(seg.stream);
     if (ss == nullptr || sit == streams_.end() || sit->second.get() != ss ||
         seg.owner != ss) {
-      return absl::InternalError(
-          absl::StrFormat("segment 0x%x: owner is not the state of stream 0x%x",
-                          seg.base, seg.stream));
+      return absl::InternalError(core_internal::Format(
+          "segment 0x%x: owner is not the state of stream 0x%x", seg.base,
+          seg.stream));
     }
     ss->mu.AssertHeld();
     // I15: the lock-free maps find the segment at its first and last byte.
@@ -3915,7 +3965,7 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
     const Segment* at_end =
         expandable_ ? ranges_.Find(seg.end() - 1) : pages_.Find(seg.end() - 1);
     if (at_base != &seg || at_end != &seg) {
-      return absl::InternalError(absl::StrFormat(
+      return absl::InternalError(core_internal::Format(
           "I15: the address map does not find segment 0x%x (+%d)", seg.base,
           seg.size));
     }
@@ -3933,21 +3983,21 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
         mapped += piece.count * granule_;
       }
       if (bad) {
-        return absl::InternalError(absl::StrFormat(
+        return absl::InternalError(core_internal::Format(
             "I9: range 0x%x has a bad or overlapping mapping", seg.base));
       }
       if (mapped != range->mapped || range->base != seg.base ||
           range->size != seg.size || ss->range[PoolIndex(seg.small)] != &seg) {
         return absl::InternalError(
-            absl::StrFormat("I9: range 0x%x maps %d bytes, books say %d",
-                            seg.base, mapped, range->mapped));
+            core_internal::Format("I9: range 0x%x maps %d bytes, books say %d",
+                                  seg.base, mapped, range->mapped));
       }
     }
     add(s, &PoolStats::reserved_bytes, seg.small,
         static_cast<std::int64_t>(range != nullptr ? range->mapped : seg.size));
     const bool whole = seg.wholly_free() && !expandable_;                // I10
     if (whole != ss->whole_free[PoolIndex(seg.small)].Contains(&seg)) {  // I3
-      return absl::InternalError(absl::StrFormat(
+      return absl::InternalError(core_internal::Format(
           "I3: segment 0x%x wholly free = %d but whole-free index says %d",
           seg.base, whole, !whole));
     }
@@ -3964,7 +4014,7 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
       const auto size = static_cast<std::int64_t>(b->size);
       if (range != nullptr && !b->unmapped &&
           UnmappedBytes(&seg, b->address, b->size) != 0) {  // I9
-        return absl::InternalError(absl::StrFormat(
+        return absl::InternalError(core_internal::Format(
             "I9: block 0x%x (%d bytes, state %d) is not unmapped yet lies on "
             "unmapped granules",
             b->address, b->size, static_cast<int>(b->state)));
@@ -3973,7 +4023,7 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
           (range == nullptr || b->state != BlockState::kFree ||
            (b->address - seg.base) % granule_ != 0 || b->size % granule_ != 0 ||
            MappedBytes(&seg, b->address, b->size) != 0)) {  // I11
-        return absl::InternalError(absl::StrFormat(
+        return absl::InternalError(core_internal::Format(
             "I11: unmapped block 0x%x (%d bytes) is not free, not granule "
             "aligned or has mapped granules",
             b->address, b->size));
@@ -3984,7 +4034,7 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
           auto it = ss->live.find(b->address);
           if (it == ss->live.end() || it->second != b || b->linked() ||
               b->requested > b->size || b->pending_events != 0) {  // I4
-            return absl::InternalError(absl::StrFormat(
+            return absl::InternalError(core_internal::Format(
                 "I4: allocated block 0x%x not live, indexed or oversized",
                 b->address));
           }
@@ -3999,7 +4049,7 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
         case BlockState::kPendingFree:
           if (b->pending_events <= 0 || b->linked() ||
               ss->live.contains(b->address)) {  // I5
-            return absl::InternalError(absl::StrFormat(
+            return absl::InternalError(core_internal::Format(
                 "I5: pending block 0x%x has %d events, linked %d", b->address,
                 b->pending_events, b->linked()));
           }
@@ -4011,7 +4061,7 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
         case BlockState::kFree:
           if (b->quarantined) {
             if (b->linked() || b->unmapped || range == nullptr) {  // I11
-              return absl::InternalError(absl::StrFormat(
+              return absl::InternalError(core_internal::Format(
                   "I11: quarantined block 0x%x is indexed or unmapped",
                   b->address));
             }
@@ -4023,14 +4073,14 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
                    .Contains(b) ||
               b->key_size() != b->size ||
               b->key_address() != b->address) {  // I2
-            return absl::InternalError(absl::StrFormat(
+            return absl::InternalError(core_internal::Format(
                 "I2: free block 0x%x (%d bytes) is not in its stream's index "
                 "under its key",
                 b->address, b->size));
           }
           if (ss->live.contains(b->address)) {
-            return absl::InternalError(
-                absl::StrFormat("I4: free block 0x%x is live", b->address));
+            return absl::InternalError(core_internal::Format(
+                "I4: free block 0x%x is live", b->address));
           }
           if (range == nullptr && b->is_split()) {
             add(s, &PoolStats::inactive_split, seg.small, 1);
@@ -4046,22 +4096,23 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
   for (const auto& [stream, ss] : streams_) {
     ss->mu.AssertHeld();
     if (stream_table_.Find(stream) != ss.get()) {  // I15
-      return absl::InternalError(absl::StrFormat(
+      return absl::InternalError(core_internal::Format(
           "I15: the stream table does not find stream 0x%x", stream));
     }
     live_entries += ss->live.size();
     if (static_cast<std::size_t>(ss->blocks.live()) != blocks_of[ss.get()]) {
       return absl::InternalError(  // I8
-          absl::StrFormat("I8: stream 0x%x's arena has %d blocks out, its "
-                          "segments %d",
-                          stream, ss->blocks.live(), blocks_of[ss.get()]));
+          core_internal::Format(
+              "I8: stream 0x%x's arena has %d blocks out, its "
+              "segments %d",
+              stream, ss->blocks.live(), blocks_of[ss.get()]));
     }
     for (const FreeIndex<Segment>& index : ss->whole_free) {
       whole_indexed += index.size();
       std::string error = index.Validate();
       if (!error.empty()) {
         return absl::InternalError(
-            absl::StrFormat("I3: whole-free index: %s", error));
+            core_internal::Format("I3: whole-free index: %s", error));
       }
     }
     for (const FreeIndex<Block>* index :
@@ -4069,40 +4120,40 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
       indexed += index->size();
       std::string error = index->Validate();
       if (!error.empty()) {
-        return absl::InternalError(absl::StrFormat(
+        return absl::InternalError(core_internal::Format(
             "I2: free index of stream 0x%x: %s", stream, error));
       }
     }
     auto it = per_stream.find(stream);
     CTXPOOL_RETURN_IF_ERROR(
         CompareStats(it == per_stream.end() ? PoolStats() : it->second,
-                     ss->stats, absl::StrFormat("stream 0x%x", stream)));
+                     ss->stats, core_internal::Format("stream 0x%x", stream)));
   }
   if (indexed != free_blocks) {  // I2: nothing else is indexed
-    return absl::InternalError(absl::StrFormat(
+    return absl::InternalError(core_internal::Format(
         "I2: %d blocks indexed but %d free blocks", indexed, free_blocks));
   }
   if (whole_indexed != whole_free_segments) {
     return absl::InternalError(
-        absl::StrFormat("I3: %d segments indexed as wholly free, %d are",
-                        whole_indexed, whole_free_segments));
+        core_internal::Format("I3: %d segments indexed as wholly free, %d are",
+                              whole_indexed, whole_free_segments));
   }
   if (live_entries != allocated_blocks) {  // I4
     return absl::InternalError(
-        absl::StrFormat("I4: %d live entries but %d allocated blocks",
-                        live_entries, allocated_blocks));
+        core_internal::Format("I4: %d live entries but %d allocated blocks",
+                              live_entries, allocated_blocks));
   }
   if (pending_.size() != pending_events) {  // I5
     return absl::InternalError(
-        absl::StrFormat("I5: %d pending events queued, blocks expect %d",
-                        pending_.size(), pending_events));
+        core_internal::Format("I5: %d pending events queued, blocks expect %d",
+                              pending_.size(), pending_events));
   }
   if (expandable_) {  // I12
     CTXPOOL_RETURN_IF_ERROR(vmm_.CheckInvariants(Reserved()));
   }
   for (const PendingEvent& p : pending_) {
     if (p.block->state != BlockState::kPendingFree) {
-      return absl::InternalError(absl::StrFormat(
+      return absl::InternalError(core_internal::Format(
           "I5: pending event for block 0x%x that is not pending",
           p.block->address));
     }
@@ -4112,12 +4163,12 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
   const std::size_t allocated = Current(totals_.agg.allocated_bytes);
   if (reserved != reserved_now_) {
     return absl::InternalError(
-        absl::StrFormat("I6: reserved %d but the running count is %d", reserved,
-                        reserved_now_));
+        core_internal::Format("I6: reserved %d but the running count is %d",
+                              reserved, reserved_now_));
   }
   if (!expandable_ &&
       reserved != allocated + pending_bytes + free_bytes) {  // I7
-    return absl::InternalError(absl::StrFormat(
+    return absl::InternalError(core_internal::Format(
         "I7: reserved %d != allocated %d + pending %d + free %d", reserved,
         allocated, pending_bytes, free_bytes));
   }
@@ -4134,12 +4185,12 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
       for (const auto& [address, b] : ss->live) {
         if (b->owner == kNoOwner) continue;
         if (b->owner > owners_.size() || owners_[b->owner - 1] == nullptr) {
-          return absl::InternalError(absl::StrFormat(
+          return absl::InternalError(core_internal::Format(
               "I13: block 0x%x has unregistered owner %d", address, b->owner));
         }
         const SubAccount* sub = ss->FindSub(b->owner);
         if (b->owner_data != sub || sub == nullptr) {
-          return absl::InternalError(absl::StrFormat(
+          return absl::InternalError(core_internal::Format(
               "I13: block 0x%x: not on owner %d's sub-account of its stream",
               address, b->owner));
         }
@@ -4157,14 +4208,14 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
         ss->mu.AssertHeld();
         const SubAccount* sub = ss->FindSub(id);
         if (sub == nullptr || sub->rec != o) {
-          return absl::InternalError(absl::StrFormat(
+          return absl::InternalError(core_internal::Format(
               "I13: owner '%s' lists stream 0x%x without a sub-account",
               o->name, ss->stream));
         }
         const auto [want_live, want_count] = sums[sub];
         if (sub->live != want_live ||
             sub->allocs - sub->frees - sub->reclaimed != want_count) {
-          return absl::InternalError(absl::StrFormat(
+          return absl::InternalError(core_internal::Format(
               "I13: owner '%s' books %d B in %d blocks on stream 0x%x, its "
               "blocks hold %d B in %d",
               o->name, sub->live, sub->allocs - sub->frees - sub->reclaimed,
@@ -4179,7 +4230,7 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
            (reserved_now != live + credit || reserved_now > o->max)) ||
           o->sum.live != static_cast<std::int64_t>(live) ||
           o->sum.peak < o->sum.live) {
-        return absl::InternalError(absl::StrFormat(
+        return absl::InternalError(core_internal::Format(
             "I13: owner '%s': live %d + credit %d, reserved %d, max %d; sum "
             "%d, peak %d",
             o->name, live, credit, reserved_now, o->max, o->sum.live,
@@ -4199,21 +4250,21 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
         if (!listed.insert(ss).second || ss->tenant != t ||
             !streams_.contains(ss->stream) ||
             streams_.at(ss->stream).get() != ss) {
-          return absl::InternalError(absl::StrFormat(
+          return absl::InternalError(core_internal::Format(
               "I14: stream 0x%x is listed under tenant %d, bound to %d",
               ss->stream, t, ss->tenant));
         }
       }
       if (mapped != tenants_[t]->mapped.load(std::memory_order_relaxed)) {
-        return absl::InternalError(absl::StrFormat(
+        return absl::InternalError(core_internal::Format(
             "I14: tenant %d's streams hold %d bytes, its count says %d", t,
             mapped, tenants_[t]->mapped.load(std::memory_order_relaxed)));
       }
     }
     if (listed.size() != streams_.size()) {
-      return absl::InternalError(
-          absl::StrFormat("I14: %d streams listed under tenants, %d known",
-                          listed.size(), streams_.size()));
+      return absl::InternalError(core_internal::Format(
+          "I14: %d streams listed under tenants, %d known", listed.size(),
+          streams_.size()));
     }
   }
   return absl::OkStatus();
@@ -4231,7 +4282,7 @@ CachingDeviceAllocator::Create(Driver& driver, int device,
   // 2^64; no device comes near 2^62 bytes, so a driver that says so is
   // broken and nothing is created on it.
   if (total > kMaxDeviceBytes) {
-    return absl::FailedPreconditionError(absl::StrFormat(
+    return absl::FailedPreconditionError(core_internal::Format(
         "device %d reports %d bytes of memory; ctxpool supports devices of "
         "up to 2^62 bytes (the driver's figure cannot be right)",
         device, total));
@@ -4247,7 +4298,7 @@ CachingDeviceAllocator::Create(Driver& driver, int device,
     absl::StatusOr<int> vmm = driver.DeviceGetAttribute(
         DeviceAttribute::kVirtualMemoryManagementSupported, device);
     if (!vmm.ok() || *vmm == 0) {
-      return absl::FailedPreconditionError(absl::StrFormat(
+      return absl::FailedPreconditionError(core_internal::Format(
           "BackingMode::kExpandable: device %d does not support virtual "
           "memory management; use BackingMode::kClassic",
           device));
@@ -4256,7 +4307,7 @@ CachingDeviceAllocator::Create(Driver& driver, int device,
                              driver.MemGetAllocationGranularity(device));
     if (granule == 0 || !IsPowerOfTwo(granule)) {
       return absl::FailedPreconditionError(
-          absl::StrFormat("bad VMM granularity %d", granule));
+          core_internal::Format("bad VMM granularity %d", granule));
     }
   }
   ContextHandle ctx = options.context;

@@ -13,6 +13,7 @@
 #include "absl/numeric/bits.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
+#include "ctxpool/core/internal/format.h"
 #include "ctxpool/core/internal/table_room.h"
 #include "ctxpool/driver/cuda_errors.h"
 #include "ctxpool/status.h"
@@ -251,7 +252,7 @@ absl::Status ExpandableBacking::MapRun(VmmRange* r, std::size_t i0,
 absl::Status ExpandableBacking::UnmapPiece(VmmRange* r, std::size_t i,
                                            std::size_t* n) {
   if (!r->IsMapped(i) || !r->IsStart(i)) {
-    return absl::InternalError(absl::StrFormat(
+    return absl::InternalError(core_internal::Format(
         "granule %d of range 0x%x does not start a mapping", i, r->base));
   }
   const std::size_t end = r->PieceEnd(i, r->size / granule_);
@@ -367,7 +368,7 @@ absl::Status ExpandableBacking::CheckInvariants(
     auto it = phys_.find(p.handle.value());
     if (p.count == 0 || it == phys_.end() ||
         p.offset + p.count > it->second.granules) {
-      return absl::InternalError(absl::StrFormat(
+      return absl::InternalError(core_internal::Format(
           "I12: cached piece of 0x%x [%d, +%d) is not inside a live "
           "physical allocation",
           p.handle.value(), p.offset, p.count));
@@ -386,7 +387,7 @@ absl::Status ExpandableBacking::CheckInvariants(
     for (const auto& [start, p] : r->pieces) {
       auto it = phys_.find(p.handle.value());
       if (it == phys_.end() || p.offset + p.count > it->second.granules) {
-        return absl::InternalError(absl::StrFormat(
+        return absl::InternalError(core_internal::Format(
             "I12: the mapping at granule %d of range 0x%x is not inside a "
             "live physical allocation",
             start, base));
@@ -396,7 +397,7 @@ absl::Status ExpandableBacking::CheckInvariants(
   if (cached != cache_granules_ || mapped != mapped_granules_ ||
       mapped * granule_ != reserved_bytes || in_ranges != reserved_bytes ||
       total != mapped + cached + leaked) {
-    return absl::InternalError(absl::StrFormat(
+    return absl::InternalError(core_internal::Format(
         "I12: physical allocations hold %d granules, %d mapped (books: %d "
         "bytes, ranges: %d) and %d cached (books: %d), %d leaked",
         total, mapped, reserved_bytes, in_ranges, cached, cache_granules_,

@@ -17,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "ctxpool/core/fork_guard.h"
+#include "ctxpool/core/internal/format.h"
 #include "pending_frees.h"
 
 namespace ctxpool {
@@ -98,7 +99,7 @@ class CachingHostAllocator::Impl {
     if (bytes > options_.max_request_bytes) {
       absl::MutexLock lock(&mu_);
       ++invalid_requests_;
-      return absl::InvalidArgumentError(absl::StrFormat(
+      return absl::InvalidArgumentError(core_internal::Format(
           "CachingHostAllocator::Allocate: %d bytes is more than the largest "
           "pinned request allowed (%d bytes, the host's memory unless set)",
           bytes, options_.max_request_bytes));
@@ -158,10 +159,11 @@ class CachingHostAllocator::Impl {
       }
       absl::Status error(
           p.status().code(),
-          absl::StrFormat("CachingHostAllocator::Allocate(%d bytes, class %d "
-                          "bytes): %s; pinned %d bytes, registered %d bytes",
-                          bytes, size, p.status().message(), pinned_bytes(),
-                          registered_bytes_));
+          core_internal::Format(
+              "CachingHostAllocator::Allocate(%d bytes, class %d "
+              "bytes): %s; pinned %d bytes, registered %d bytes",
+              bytes, size, p.status().message(), pinned_bytes(),
+              registered_bytes_));
       p.status().ForEachPayload(
           [&error](absl::string_view url, const absl::Cord& payload) {
             error.SetPayload(url, payload);
@@ -189,12 +191,12 @@ class CachingHostAllocator::Impl {
     if (it == blocks_.end() || it->second->state != HostBlockState::kLive) {
       ++invalid_frees_;
       if (it != blocks_.end()) {
-        return absl::InvalidArgumentError(absl::StrFormat(
+        return absl::InvalidArgumentError(core_internal::Format(
             "CachingHostAllocator::Deallocate(%p): double free (the buffer is "
             "already free)",
             ptr));
       }
-      return absl::InvalidArgumentError(absl::StrFormat(
+      return absl::InvalidArgumentError(core_internal::Format(
           "CachingHostAllocator::Deallocate(%p): not the start of a live "
           "buffer of this allocator",
           ptr));
@@ -233,7 +235,7 @@ class CachingHostAllocator::Impl {
     auto it = blocks_.find(Addr(ptr));
     if (it == blocks_.end() || it->second->state != HostBlockState::kLive) {
       ++invalid_requests_;
-      return absl::InvalidArgumentError(absl::StrFormat(
+      return absl::InvalidArgumentError(core_internal::Format(
           "CachingHostAllocator::RecordStream(%p): not a live buffer of this "
           "allocator",
           ptr));
@@ -279,10 +281,11 @@ class CachingHostAllocator::Impl {
             absl::StrAppend(&list, ", ...");
             break;
           }
-          absl::StrAppendFormat(&list, "%s%p (%d bytes)",
-                                list.empty() ? "" : ", ", b->ptr, b->size);
+          core_internal::AppendFormat(&list, "%s%p (%d bytes)",
+                                      list.empty() ? "" : ", ", b->ptr,
+                                      b->size);
         }
-        return absl::FailedPreconditionError(absl::StrFormat(
+        return absl::FailedPreconditionError(core_internal::Format(
             "CachingHostAllocator::Reset: %d live buffers (%d bytes): %s; "
             "deallocate them or pass force=true",
             live_count_, live_bytes_, list));
@@ -341,13 +344,13 @@ class CachingHostAllocator::Impl {
       absl::MutexLock lock(&mu_);
       if (ptr == nullptr || bytes == 0 || Addr(ptr) + bytes < Addr(ptr)) {
         ++invalid_requests_;
-        return absl::InvalidArgumentError(absl::StrFormat(
+        return absl::InvalidArgumentError(core_internal::Format(
             "CachingHostAllocator::Register(%p, %d): null or empty range", ptr,
             bytes));
       }
       if (std::string what = Overlap(Addr(ptr), bytes); !what.empty()) {
         ++invalid_requests_;
-        return absl::InvalidArgumentError(absl::StrFormat(
+        return absl::InvalidArgumentError(core_internal::Format(
             "CachingHostAllocator::Register(%p, %d bytes): overlaps %s", ptr,
             bytes, what));
       }
@@ -395,7 +398,7 @@ class CachingHostAllocator::Impl {
       auto it = registrations_.find(Addr(ptr));
       if (it == registrations_.end() || !it->second.active) {
         ++invalid_requests_;
-        return absl::InvalidArgumentError(absl::StrFormat(
+        return absl::InvalidArgumentError(core_internal::Format(
             "CachingHostAllocator::Unregister(%p): not the start of a "
             "registration",
             ptr));
@@ -528,9 +531,9 @@ class CachingHostAllocator::Impl {
     }
     if (live != live_bytes_ || nlive != live_count_) {
       return Broken(
-          absl::StrFormat("live_bytes %d/%d != sum of live blocks "
-                          "%d/%d",
-                          live_bytes_, live_count_, live, nlive));
+          core_internal::Format("live_bytes %d/%d != sum of live blocks "
+                                "%d/%d",
+                                live_bytes_, live_count_, live, nlive));
     }
     if (requested != requested_bytes_) return Broken("requested_bytes");
     if (cached != cached_bytes_ || ncached != cached_count_) {
@@ -566,8 +569,8 @@ class CachingHostAllocator::Impl {
     if (reg != registered_bytes_) return Broken("registered_bytes");
     if (options_.host_budget_bytes != 0 &&
         Usage() > options_.host_budget_bytes) {
-      return Broken(absl::StrFormat("usage %d > host budget %d", Usage(),
-                                    options_.host_budget_bytes));
+      return Broken(core_internal::Format("usage %d > host budget %d", Usage(),
+                                          options_.host_budget_bytes));
     }
     return absl::OkStatus();
   }
@@ -595,7 +598,7 @@ class CachingHostAllocator::Impl {
   absl::Status BudgetError(absl::string_view call, std::size_t bytes,
                            std::size_t size) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    std::string msg = absl::StrFormat(
+    std::string msg = core_internal::Format(
         "CachingHostAllocator::%s(%d bytes, %d after rounding): host budget "
         "of %d pinned bytes exhausted: %d in use (live %d, pending %d, cached "
         "%d, being pinned %d, registered %d); registered memory counts against "
@@ -619,8 +622,8 @@ class CachingHostAllocator::Impl {
       --it;  // last start < end
       const std::size_t size = size_of(it->second);
       if (it->first + size > addr) {
-        return absl::StrFormat("%s [%#x, %#x)", what, it->first,
-                               it->first + size);
+        return core_internal::Format("%s [%#x, %#x)", what, it->first,
+                                     it->first + size);
       }
       return "";
     };
@@ -793,7 +796,7 @@ absl::StatusOr<std::unique_ptr<CachingHostAllocator>>
 CachingHostAllocator::Create(Driver& driver, HostAllocatorOptions options) {
   const int d = options.classes_per_doubling;
   if (d < 1 || d > HostSizeClasses::kMaxClassesPerDoubling || (d & (d - 1))) {
-    return absl::InvalidArgumentError(absl::StrFormat(
+    return absl::InvalidArgumentError(core_internal::Format(
         "CachingHostAllocator: classes_per_doubling must be a power of two in "
         "[1, %d], got %d",
         HostSizeClasses::kMaxClassesPerDoubling, d));

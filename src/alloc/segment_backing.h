@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "ctxpool/core/internal/format.h"
 #include "ctxpool/driver/cuda_errors.h"
 #include "ctxpool/driver/driver.h"
 #include "ctxpool/status.h"
@@ -42,11 +43,11 @@ struct BackedRange {
 inline absl::Status CheckMemoryLimit(absl::string_view call, std::size_t limit,
                                      std::size_t held, std::size_t need) {
   if (limit == 0 || held + need <= limit) return absl::OkStatus();
-  return DriverError(
-      cu::kErrorOutOfMemory, call,
-      absl::StrFormat("memory_limit_bytes (%d) reached: the allocator holds "
-                      "%d bytes and needs %d more",
-                      limit, held, need));
+  return DriverError(cu::kErrorOutOfMemory, call,
+                     core_internal::Format(
+                         "memory_limit_bytes (%d) reached: the allocator holds "
+                         "%d bytes and needs %d more",
+                         limit, held, need));
 }
 
 class SegmentBacking {

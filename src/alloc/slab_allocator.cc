@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "ctxpool/core/fork_guard.h"
+#include "ctxpool/core/internal/format.h"
 #include "pending_frees.h"
 
 namespace ctxpool {
@@ -93,7 +94,7 @@ class SlabAllocator::Impl {
     if (bytes > kSlabMaxObjectBytes) {
       absl::MutexLock lock(&mu_);
       ++invalid_requests_;
-      return absl::InvalidArgumentError(absl::StrFormat(
+      return absl::InvalidArgumentError(core_internal::Format(
           "SlabAllocator::Allocate: %d bytes is above the largest slab class "
           "(%d bytes); use the device allocator",
           bytes, kSlabMaxObjectBytes));
@@ -217,7 +218,7 @@ class SlabAllocator::Impl {
       std::size_t live = 0;
       for (const SlabClassStats& c : class_stats_) live += c.live_objects;
       if (live > 0 && !force) {
-        return absl::FailedPreconditionError(absl::StrFormat(
+        return absl::FailedPreconditionError(core_internal::Format(
             "SlabAllocator::Reset: %d live objects in %d slabs; deallocate "
             "them or pass force=true",
             live, slabs_.size()));
@@ -337,8 +338,8 @@ class SlabAllocator::Impl {
         return Broken("capacity != slab_bytes / class bytes");
       }
       if (set != s->used + padding) {
-        return Broken(absl::StrFormat("bitmap has %d bits, used %d + pad %d",
-                                      set, s->used, padding));
+        return Broken(core_internal::Format(
+            "bitmap has %d bits, used %d + pad %d", set, s->used, padding));
       }
       for (std::uint32_t w = 0; w < s->hint && w < s->bits.size(); ++w) {
         if (s->bits[w] != ~std::uint64_t{0}) return Broken("hint skips a slot");
@@ -365,7 +366,7 @@ class SlabAllocator::Impl {
       if (a.live_objects != b.live_objects ||
           a.pending_objects != b.pending_objects || a.capacity != b.capacity ||
           a.slabs != b.slabs) {
-        return Broken(absl::StrFormat(
+        return Broken(core_internal::Format(
             "class %d stats (live %d pending %d capacity %d slabs %d) != "
             "slabs (live %d pending %d capacity %d slabs %d)",
             c, a.live_objects, a.pending_objects, a.capacity, a.slabs,
@@ -418,27 +419,27 @@ class SlabAllocator::Impl {
     if (it != slabs_.begin()) --it;
     if (it == slabs_.end() || ptr.address() < it->first ||
         ptr.address() >= it->first + options_.slab_bytes) {
-      return absl::InvalidArgumentError(absl::StrFormat(
+      return absl::InvalidArgumentError(core_internal::Format(
           "SlabAllocator::%s(%#x): not an object of this allocator", call,
           ptr.address()));
     }
     Slab* s = it->second.get();
     const std::uint64_t offset = ptr.address() - it->first;
     if (s->used == 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
+      return absl::InvalidArgumentError(core_internal::Format(
           "SlabAllocator::%s(%#x): double free (the slab is empty)", call,
           ptr.address()));
     }
     const std::size_t object = SlabClassBytes(s->cls);
     if (offset % object != 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
+      return absl::InvalidArgumentError(core_internal::Format(
           "SlabAllocator::%s(%#x): points %d bytes into a %d-byte object", call,
           ptr.address(), offset % object, object));
     }
     const auto i = static_cast<std::uint32_t>(offset / object);
     if (i >= s->capacity || (s->bits[i / 64] >> (i % 64) & 1) == 0 ||
         (!pending_.empty() && pending_.contains(ptr.address()))) {
-      return absl::InvalidArgumentError(absl::StrFormat(
+      return absl::InvalidArgumentError(core_internal::Format(
           "SlabAllocator::%s(%#x): double free (the object is not live)", call,
           ptr.address()));
     }
@@ -640,7 +641,7 @@ absl::StatusOr<std::unique_ptr<SlabAllocator>> SlabAllocator::Create(
   const std::size_t b = options.slab_bytes;
   if (b < kSlabMaxObjectBytes || b > (std::size_t{64} << 20) ||
       !std::has_single_bit(b)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
+    return absl::InvalidArgumentError(core_internal::Format(
         "SlabAllocator: slab_bytes must be a power of two in [64 KiB, "
         "64 MiB], got %d",
         b));
