@@ -124,6 +124,7 @@
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -133,7 +134,6 @@
 #include "absl/base/attributes.h"
 #include "absl/base/optimization.h"
 #include "absl/base/thread_annotations.h"
-#include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/container/inlined_vector.h"
@@ -3847,7 +3847,9 @@ class CachingDeviceAllocator::Impl {
   RangeTable ranges_;
   // Every segment by base; the objects live in segment_store_ and are
   // recycled through free_segments_, never deleted before the allocator.
-  absl::btree_map<std::uint64_t, DeviceSegment*> segments_ ABSL_GUARDED_BY(mu_);
+  // std::map: an insert that throws std::bad_alloc leaves it intact (absl's
+  // btree gives no such guarantee).
+  std::map<std::uint64_t, DeviceSegment*> segments_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<DeviceSegment>> segment_store_
       ABSL_GUARDED_BY(mu_);
   std::vector<DeviceSegment*> free_segments_ ABSL_GUARDED_BY(mu_);

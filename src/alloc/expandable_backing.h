@@ -49,10 +49,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <vector>
 
-#include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -78,7 +78,9 @@ struct VmmRange {
   std::uint64_t base = 0;
   std::size_t size = 0;
   std::size_t mapped = 0;  // bytes
-  absl::btree_map<std::size_t, Piece> pieces;
+  // std::map, not absl::btree_map: an insert that throws std::bad_alloc
+  // must leave it intact (absl's btree can leak or keep an empty root).
+  std::map<std::size_t, Piece> pieces;
 
   // The piece that maps granule i (its first granule in *start), or null.
   const Piece* PieceAt(std::size_t i, std::size_t* start = nullptr) const {
@@ -330,7 +332,7 @@ class ExpandableBacking {
   const std::size_t granule_;
   const ExpandableOptions options_;
   const std::function<absl::Time()> now_;
-  absl::btree_map<std::uint64_t, std::unique_ptr<VmmRange>> ranges_;
+  std::map<std::uint64_t, std::unique_ptr<VmmRange>> ranges_;  // see pieces
   std::vector<CachedPiece> cache_;
   std::size_t cache_granules_ = 0;  // in cache_
   std::size_t mapped_granules_ = 0;

@@ -42,7 +42,11 @@ bool TableHasRoom(const Table& t, std::size_t n) {
 template <typename Table>
 void MakeRoom(Table& t, std::size_t n) {
   if (TableHasRoom(t, n)) return;
-  const std::size_t want = std::max<std::size_t>(2 * (t.size() + n), 32);
+  // Room for n more, at least doubling (as a growth would), more than one
+  // group; reserve(x) gives capacity * 7 / 8 >= x, so x = want * 28 / 25
+  // gives capacity * 25 / 32 >= want.
+  const std::size_t want =
+      std::max({t.size() + n, 2 * t.size(), std::size_t{15}}) * 28 / 25 + 1;
   alignas(Table) unsigned char storage[sizeof(Table)];
   Table* fresh = ::new (static_cast<void*>(storage)) Table();
   try {
