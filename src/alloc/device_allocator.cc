@@ -1141,10 +1141,8 @@ class CachingDeviceAllocator::Impl {
     core_internal::MakeRoom(bound_, 1);
     StreamState* ss = GetStream(stream.value());
     ss->mu.AssertHeld();
-    std::vector<StreamState*>& to = tenants_[tenant]->streams;
-    if (to.size() == to.capacity()) to.reserve(2 * to.size() + 4);
-    bound_.insert(stream.value());
-    SetTenant(ss, tenant);
+    SetTenant(ss, tenant);  // takes its memory before it changes anything
+    bound_.insert(stream.value());  // cannot allocate now
     return absl::OkStatus();
   }
 
@@ -1621,10 +1619,7 @@ class CachingDeviceAllocator::Impl {
       // Host memory first: a std::bad_alloc leaves every table as it was.
       auto made = std::make_unique<StreamState>(stream);
       core_internal::MakeRoom(streams_, 1);
-      std::vector<StreamState*>& listed = tenants_[kDefaultTenant]->streams;
-      if (listed.size() == listed.capacity()) {
-        listed.reserve(2 * listed.size() + 4);
-      }
+      core_internal::MakeVectorRoom(tenants_[kDefaultTenant]->streams, 1);
       stream_table_.Reserve();
       StreamState* ss = made.get();
       LockForAllShards(ss);
@@ -2270,12 +2265,8 @@ class CachingDeviceAllocator::Impl {
     // pending entries cannot throw std::bad_alloc once events are recorded.
     const std::size_t uses = b->stream_uses.size();
     events.reserve(uses);
-    if (event_pool_.capacity() < event_pool_.size() + uses) {
-      event_pool_.reserve(2 * event_pool_.size() + uses);
-    }
-    if (pending_.capacity() < pending_.size() + uses) {
-      pending_.reserve(2 * pending_.size() + uses);
-    }
+    core_internal::MakeVectorRoom(event_pool_, uses);
+    core_internal::MakeVectorRoom(pending_, uses);
     bool need_sync = false;
     for (std::uint64_t s : b->stream_uses) {
       auto it = streams_.find(s);
@@ -2956,7 +2947,7 @@ class CachingDeviceAllocator::Impl {
   void SetTenant(StreamState* ss, TenantId t)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     std::vector<StreamState*>& to = tenants_[t]->streams;
-    if (to.size() == to.capacity()) to.reserve(2 * to.size() + 4);  // first
+    core_internal::MakeVectorRoom(to, 1);  // first
     std::vector<StreamState*>& from = tenants_[ss->tenant]->streams;
     from.erase(std::find(from.begin(), from.end(), ss));
     const std::size_t held = Current(ss->stats.reserved_bytes);

@@ -92,9 +92,7 @@ absl::Status ExpandableBacking::AcquirePieces(
   // of them and a split's rest: the caller can always give them back
   // without allocating (std::bad_alloc, see MapRun).
   auto room = [&] {
-    if (pieces->size() == pieces->capacity()) {
-      pieces->reserve(2 * pieces->size() + 4);
-    }
+    core_internal::MakeVectorRoom(*pieces, 1);
     ReserveCache(pieces->size() + 2);
   };
   std::size_t got = 0;
@@ -152,8 +150,7 @@ void ExpandableBacking::NotePiece(VmmRange* r, const CachedPiece& p) {
 }
 
 void ExpandableBacking::ReserveCache(std::size_t n) {
-  if (cache_.capacity() - cache_.size() >= n) return;
-  cache_.reserve(std::max(2 * cache_.capacity(), cache_.size() + n));
+  core_internal::MakeVectorRoom(cache_, n);
 }
 
 absl::Status ExpandableBacking::MapRun(VmmRange* r, std::size_t i0,

@@ -61,6 +61,15 @@ void MakeRoom(Table& t, std::size_t n) {
   fresh->~Table();
 }
 
+// Room for `n` more elements in a std::vector, growing it at least twofold,
+// so that that many push_backs cannot allocate. Throws std::bad_alloc with
+// `v` as it was (a vector's reserve is exception-safe).
+template <typename Vector>
+void MakeVectorRoom(Vector& v, std::size_t n) {
+  if (v.capacity() - v.size() >= n) return;
+  v.reserve(std::max(2 * v.capacity(), v.size() + n));
+}
+
 }  // namespace core_internal
 }  // namespace ctxpool
 
