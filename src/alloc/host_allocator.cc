@@ -4,13 +4,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <new>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
@@ -18,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "ctxpool/core/fork_guard.h"
 #include "ctxpool/core/internal/format.h"
+#include "ctxpool/core/internal/table_room.h"
 #include "pending_frees.h"
 
 namespace ctxpool {
@@ -73,13 +75,19 @@ class CachingHostAllocator::Impl {
     // A buffer the driver refuses to free stays cached after Reset; one more
     // try, then it is leaked (the driver frees pinned memory at exit).
     if (!Reset(/*force=*/true).ok()) Reset(/*force=*/true).IgnoreError();
-    std::vector<std::uintptr_t> regs;
-    {
-      absl::MutexLock lock(&mu_);
-      for (const auto& [addr, r] : registrations_) regs.push_back(addr);
-    }
-    for (std::uintptr_t a : regs) {
-      Unregister(reinterpret_cast<void*>(a)).IgnoreError();
+    // One registration at a time (no list to allocate: a destructor must
+    // not throw std::bad_alloc); one the driver refuses to unpin is left.
+    for (std::uintptr_t after = 0;;) {
+      std::uintptr_t addr = 0;
+      {
+        absl::MutexLock lock(&mu_);
+        auto it = registrations_.lower_bound(after);
+        while (it != registrations_.end() && !it->second.active) ++it;
+        if (it == registrations_.end()) break;
+        addr = it->first;
+      }
+      Unregister(reinterpret_cast<void*>(addr)).IgnoreError();
+      after = addr + 1;
     }
     ScopedContext guard(driver_, ctx_);
     events_.DestroyPooled();
@@ -151,7 +159,7 @@ class CachingHostAllocator::Impl {
         p = PinNew(size);
       }
     }
-    absl::MutexLock lock(&mu_);
+    absl::ReleasableMutexLock lock(&mu_);
     in_flight_bytes_ -= size;
     if (!p.ok()) {
       if (p.status().code() == absl::StatusCode::kResourceExhausted) {
@@ -170,14 +178,30 @@ class CachingHostAllocator::Impl {
           });
       return error;
     }
+    // Host memory before the books change: the block, room for it in the
+    // indexes and in the pending queue (Deallocate, noexcept, must not
+    // allocate). Without it the new buffer goes back to the driver.
+    std::unique_ptr<HostBlock> block;
+    try {
+      block = std::make_unique<HostBlock>();
+      if (!core_internal::TableHasRoom(blocks_, 1)) {
+        core_internal::MakeRoom(blocks_, 1);
+      }
+      core_internal::MakeVectorRoom(pending_,
+                                    blocks_.size() + 1 - pending_.size());
+      ranges_.emplace(Addr(*p), size);  // a std::map: unchanged if it throws
+    } catch (const std::bad_alloc&) {
+      lock.Release();
+      ScopedContext guard(driver_, ctx_);
+      if (guard.status().ok()) driver_.MemFreeHost(*p).IgnoreError();
+      throw;
+    }
     ++upstream_allocs_;
-    auto block = std::make_unique<HostBlock>();
     HostBlock* b = block.get();
     b->ptr = *p;
     b->size = size;
     b->cls = cls;
     blocks_.emplace(Addr(b->ptr), std::move(block));
-    ranges_.emplace(Addr(b->ptr), size);
     MakeLive(b, bytes, stream);
     peak_pinned_ = std::max(peak_pinned_, pinned_bytes());
     return b->ptr;
@@ -190,16 +214,29 @@ class CachingHostAllocator::Impl {
     auto it = blocks_.find(Addr(ptr));
     if (it == blocks_.end() || it->second->state != HostBlockState::kLive) {
       ++invalid_frees_;
-      if (it != blocks_.end()) {
+      try {
+        if (it != blocks_.end()) {
+          return absl::InvalidArgumentError(core_internal::Format(
+              "CachingHostAllocator::Deallocate(%p): double free (the buffer "
+              "is already free)",
+              ptr));
+        }
         return absl::InvalidArgumentError(core_internal::Format(
-            "CachingHostAllocator::Deallocate(%p): double free (the buffer is "
-            "already free)",
+            "CachingHostAllocator::Deallocate(%p): not the start of a live "
+            "buffer of this allocator",
             ptr));
+      } catch (const std::bad_alloc&) {
+        return invalid_free_;  // a copy shares the message: no allocation
       }
-      return absl::InvalidArgumentError(core_internal::Format(
-          "CachingHostAllocator::Deallocate(%p): not the start of a live "
-          "buffer of this allocator",
-          ptr));
+    }
+    // Room in the pending queue is kept for every block (Allocate), so
+    // nothing below allocates but the events of a busy stream.
+    if (ABSL_PREDICT_FALSE(pending_.size() == pending_.capacity())) {
+      try {
+        core_internal::MakeVectorRoom(pending_, 1);
+      } catch (const std::bad_alloc&) {
+        return host_oom_;  // the buffer stays live
+      }
     }
     HostBlock* b = it->second.get();
     live_bytes_ -= b->size;
@@ -211,8 +248,15 @@ class CachingHostAllocator::Impl {
       if (!guard.status().ok()) {
         b->needs_sync = true;
       } else {
-        MarkStreamUse(b, b->stream);
-        for (StreamHandle s : b->streams) MarkStreamUse(b, s);
+        // An event list that cannot grow (host memory) is a stream not
+        // ordered: the buffer then waits for a synchronise, as when an event
+        // record fails. The events recorded so far stay on the list.
+        try {
+          MarkStreamUse(b, b->stream);
+          for (StreamHandle s : b->streams) MarkStreamUse(b, s);
+        } catch (const std::bad_alloc&) {
+          b->needs_sync = true;
+        }
       }
     }
     b->streams.clear();
@@ -269,6 +313,8 @@ class CachingHostAllocator::Impl {
   absl::Status Reset(bool force) ABSL_LOCKS_EXCLUDED(mu_) {
     CTXPOOL_RETURN_IF_ERROR(fork_guard_.Check("CachingHostAllocator::Reset"));
     std::vector<std::unique_ptr<HostBlock>> taken;
+    std::vector<std::unique_ptr<HostBlock>> keep;
+    std::vector<std::unique_ptr<HostBlock>> to_free;
     bool any_needs_sync = false;
     {
       absl::MutexLock lock(&mu_);
@@ -290,6 +336,10 @@ class CachingHostAllocator::Impl {
             "deallocate them or pass force=true",
             live_count_, live_bytes_, list));
       }
+      // Host memory first: the lists every block may go to.
+      taken.reserve(blocks_.size());
+      keep.reserve(blocks_.size());
+      to_free.reserve(blocks_.size());
       for (auto& [addr, b] : blocks_) {
         if (b->needs_sync) any_needs_sync = true;
         b->next_free = nullptr;
@@ -303,8 +353,6 @@ class CachingHostAllocator::Impl {
       cached_bytes_ = cached_count_ = pending_bytes_ = pending_count_ = 0;
     }
     absl::Status first_error;
-    std::vector<std::unique_ptr<HostBlock>> keep;
-    std::vector<std::unique_ptr<HostBlock>> to_free;
     {
       ScopedContext guard(driver_, ctx_);
       if (any_needs_sync) first_error.Update(driver_.CtxSynchronize());
@@ -323,12 +371,13 @@ class CachingHostAllocator::Impl {
         events_.Recycle(&b->events);
       }
       for (auto& b : keep) {  // still in use by a stream: stays pending
+        if (!Readmit(b)) continue;
         b->state = HostBlockState::kPending;
         pending_bytes_ += b->size;
         ++pending_count_;
         pending_.push_back(b.get());
-        ranges_.emplace(Addr(b->ptr), b->size);
-        blocks_.emplace(Addr(b->ptr), std::move(b));
+        HostBlock* raw = b.get();
+        blocks_.emplace(Addr(raw->ptr), std::move(b));
       }
     }
     first_error.Update(FreeBlocks(std::move(to_free)));
@@ -363,9 +412,15 @@ class CachingHostAllocator::Impl {
         }
       }
       if (budget_error.ok()) {
-        // Reserve the range so a concurrent Register sees it.
-        registrations_.emplace(Addr(ptr), Registration{bytes, false});
-        registering_bytes_ += bytes;
+        // Reserve the range so a concurrent Register sees it. A std::map:
+        // unchanged if the insert throws (then the cache freed above goes
+        // back to the driver on the way out, see below).
+        try {
+          registrations_.emplace(Addr(ptr), Registration{bytes, false});
+        } catch (const std::bad_alloc&) {
+          budget_error = host_oom_;
+        }
+        if (budget_error.ok()) registering_bytes_ += bytes;
       }
     }
     FreeBlocks(std::move(to_free)).IgnoreError();
@@ -384,7 +439,7 @@ class CachingHostAllocator::Impl {
       registrations_.erase(Addr(ptr));
       return s;
     }
-    registrations_[Addr(ptr)].active = true;
+    registrations_.find(Addr(ptr))->second.active = true;
     registered_bytes_ += bytes;
     return absl::OkStatus();
   }
@@ -414,7 +469,7 @@ class CachingHostAllocator::Impl {
     }
     absl::MutexLock lock(&mu_);
     if (!s.ok()) {
-      registrations_[Addr(ptr)].active = true;
+      registrations_.find(Addr(ptr))->second.active = true;
       return s;
     }
     registrations_.erase(Addr(ptr));
@@ -524,6 +579,9 @@ class CachingHostAllocator::Impl {
     if (ranges_.size() != blocks_.size()) {
       return Broken("address index size != block count");
     }
+    if (pending_.capacity() < blocks_.size()) {
+      return Broken("no room in the pending queue for every block");
+    }
     std::uintptr_t end = 0;
     for (const auto& [addr, size] : ranges_) {
       if (addr < end) return Broken("pinned buffers overlap");
@@ -595,8 +653,19 @@ class CachingHostAllocator::Impl {
            registering_bytes_;
   }
 
+  // The error of a request over the host budget; without host memory to
+  // say more, a shorter one made up front (never throws).
   absl::Status BudgetError(absl::string_view call, std::size_t bytes,
                            std::size_t size) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    try {
+      return BudgetErrorText(call, bytes, size);
+    } catch (const std::bad_alloc&) {
+      return budget_exhausted_;
+    }
+  }
+  absl::Status BudgetErrorText(absl::string_view call, std::size_t bytes,
+                               std::size_t size) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::string msg = core_internal::Format(
         "CachingHostAllocator::%s(%d bytes, %d after rounding): host budget "
@@ -698,6 +767,7 @@ class CachingHostAllocator::Impl {
   void TakeCached(std::size_t keep_bytes,
                   std::vector<std::unique_ptr<HostBlock>>* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    core_internal::MakeVectorRoom(*out, cached_count_);  // may throw: first
     for (int c = classes_.num_classes() - 1;
          c >= 0 && cached_bytes_ > keep_bytes; --c) {
       while (free_heads_[c] != nullptr && cached_bytes_ > keep_bytes) {
@@ -720,6 +790,28 @@ class CachingHostAllocator::Impl {
     return driver_.MemHostAlloc(size, options_.host_alloc_flags);
   }
 
+  // Room in the indexes for block `b` (taken off the books, still pinned),
+  // and its entry in ranges_; the caller then puts it in blocks_. False when
+  // host memory ran out: the block is then released from its owner and its
+  // pinned memory left to the driver (a driver failure and host memory
+  // running out at once).
+  bool Readmit(std::unique_ptr<HostBlock>& b)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    try {
+      if (!core_internal::TableHasRoom(blocks_, 1)) {
+        core_internal::MakeRoom(blocks_, 1);
+      }
+      core_internal::MakeVectorRoom(pending_,
+                                    blocks_.size() + 1 - pending_.size());
+      ranges_.emplace(Addr(b->ptr), b->size);
+      return true;
+    } catch (const std::bad_alloc&) {
+      events_.Recycle(&b->events);
+      (void)b.release();  // leaked: its events are back in the pool
+      return false;
+    }
+  }
+
   // Returns `blocks` to the driver. A block the driver refuses to free goes
   // back to the cache (the next Trim or Reset retries it), so no pinned byte
   // ever leaves the books; the first such error is returned.
@@ -728,7 +820,7 @@ class CachingHostAllocator::Impl {
     if (blocks.empty()) return absl::OkStatus();
     std::int64_t freed = 0;
     absl::Status first_error;
-    std::vector<std::unique_ptr<HostBlock>> kept;
+    std::size_t kept = 0;  // those the driver refused, moved to the front
     {
       ScopedContext guard(driver_, ctx_);
       for (auto& b : blocks) {
@@ -736,17 +828,19 @@ class CachingHostAllocator::Impl {
         if (s.ok()) s = driver_.MemFreeHost(b->ptr);
         if (s.ok()) {
           ++freed;
+          b.reset();
         } else {
           first_error.Update(s);
-          kept.push_back(std::move(b));
+          blocks[kept++] = std::move(b);
         }
       }
     }
     absl::MutexLock lock(&mu_);
     upstream_frees_ += freed;
-    for (auto& b : kept) {
+    for (std::size_t i = 0; i < kept; ++i) {
+      std::unique_ptr<HostBlock>& b = blocks[i];
+      if (!Readmit(b)) continue;
       HostBlock* raw = b.get();
-      ranges_.emplace(Addr(raw->ptr), raw->size);
       blocks_.emplace(Addr(raw->ptr), std::move(b));
       PushFree(raw);
     }
@@ -763,12 +857,22 @@ class CachingHostAllocator::Impl {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::uintptr_t, std::unique_ptr<HostBlock>> blocks_
       ABSL_GUARDED_BY(mu_);
-  absl::btree_map<std::uintptr_t, std::size_t> ranges_ ABSL_GUARDED_BY(mu_);
+  // std::map, not absl::btree_map: an insert that throws std::bad_alloc
+  // leaves it as it was (a btree's may leak the node it split).
+  std::map<std::uintptr_t, std::size_t> ranges_ ABSL_GUARDED_BY(mu_);
   std::vector<HostBlock*> free_heads_ ABSL_GUARDED_BY(mu_);
   std::vector<HostBlock*> pending_ ABSL_GUARDED_BY(mu_);  // oldest first
   alloc_internal::PendingEvents events_ ABSL_GUARDED_BY(mu_);
-  absl::btree_map<std::uintptr_t, Registration> registrations_
-      ABSL_GUARDED_BY(mu_);
+  std::map<std::uintptr_t, Registration> registrations_ ABSL_GUARDED_BY(mu_);
+  // Errors made up front, for when host memory runs out on the way to a
+  // longer one (a copy shares the message: no allocation).
+  const absl::Status host_oom_ = absl::ResourceExhaustedError(
+      "CachingHostAllocator: out of host memory; nothing changed");
+  const absl::Status invalid_free_ = absl::InvalidArgumentError(
+      "CachingHostAllocator::Deallocate: not the start of a live buffer of "
+      "this allocator (or a double free)");
+  const absl::Status budget_exhausted_ = absl::ResourceExhaustedError(
+      "CachingHostAllocator: host budget of pinned bytes exhausted");
 
   std::size_t live_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::size_t live_count_ ABSL_GUARDED_BY(mu_) = 0;

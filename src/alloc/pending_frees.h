@@ -23,6 +23,8 @@
 #ifndef CTXPOOL_SRC_ALLOC_PENDING_FREES_H_
 #define CTXPOOL_SRC_ALLOC_PENDING_FREES_H_
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -48,18 +50,25 @@ class PendingEvents {
   // timing) is recorded on `stream` and appended to `events`. Returns false
   // when neither could be done (the caller must fall back to a host
   // synchronise); the event, if any, goes back to the pool.
+  // Throws std::bad_alloc (host memory) before any event is taken, with
+  // `events` and the pool as they were.
   // REQUIRES: the context of `stream` is current.
   bool MarkStreamUse(StreamHandle stream, EventList* events) {
     absl::StatusOr<bool> idle = driver_.StreamQuery(stream);
     if (idle.ok() && *idle) return true;
+    events->reserve(events->size() + 1);
     EventHandle e;
     if (!pool_.empty()) {
       e = pool_.back();
       pool_.pop_back();
     } else {
+      // The pool has room for every event ever created, so that returning
+      // one to it (Complete, Recycle) never allocates.
+      Reserve(1);
       absl::StatusOr<EventHandle> created =
           driver_.EventCreate(kEventDisableTiming);
       if (!created.ok()) return false;
+      ++created_;
       e = *created;
     }
     if (!driver_.EventRecord(e, stream).ok()) {
@@ -69,6 +78,15 @@ class PendingEvents {
     ++recorded_;
     events->push_back(e);
     return true;
+  }
+
+  // Room for `n` more events to be created, so that the next `n`
+  // MarkStreamUse calls on lists with room of their own cannot throw.
+  // Throws std::bad_alloc with nothing changed.
+  void Reserve(std::size_t n) {
+    if (pool_.capacity() < created_ + n) {
+      pool_.reserve(std::max(2 * pool_.capacity(), created_ + n));
+    }
   }
 
   // Queries `events` newest first and returns each completed one to the
@@ -97,6 +115,7 @@ class PendingEvents {
   // event of this pool that the caller wants to query later.
   void DestroyPooled() {
     for (EventHandle e : pool_) driver_.EventDestroy(e).IgnoreError();
+    created_ -= std::min(created_, pool_.size());
     pool_.clear();
   }
 
@@ -105,7 +124,8 @@ class PendingEvents {
 
  private:
   Driver& driver_;
-  std::vector<EventHandle> pool_;
+  std::vector<EventHandle> pool_;  // capacity >= created_
+  std::size_t created_ = 0;
   std::int64_t recorded_ = 0;
 };
 

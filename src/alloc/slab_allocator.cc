@@ -3,13 +3,14 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <new>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
@@ -17,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "ctxpool/core/fork_guard.h"
 #include "ctxpool/core/internal/format.h"
+#include "ctxpool/core/internal/table_room.h"
 #include "pending_frees.h"
 
 namespace ctxpool {
@@ -79,7 +81,11 @@ class SlabAllocator::Impl {
     // In a forked child the slabs (the device allocator's blocks), events and
     // context belong to the parent's driver state: touch none of it, leak it.
     if (fork_guard_.InForkedChild()) return;
-    Reset(/*force=*/true).IgnoreError();
+    try {
+      Reset(/*force=*/true).IgnoreError();
+    } catch (const std::bad_alloc&) {
+      // The slabs stay the device allocator's blocks, freed with it.
+    }
     ScopedContext guard(driver_, ctx_);
     events_.DestroyPooled();
     if (retained_) driver_.PrimaryCtxRelease(device_.device()).IgnoreError();
@@ -104,7 +110,7 @@ class SlabAllocator::Impl {
       absl::MutexLock lock(&mu_);
       ++num_allocs_;
       if (!pending_.empty()) PollPending(/*all=*/false);
-      StreamSlabs& ss = streams_[stream];
+      StreamSlabs& ss = StreamOf(stream);
       if (Slab* s = ss.partial[cls]; s != nullptr) return Take(ss, s);  // hot
       MaybeDecay();
       if (!pending_.empty()) {
@@ -112,6 +118,7 @@ class SlabAllocator::Impl {
         if (Slab* s = ss.partial[cls]; s != nullptr) return Take(ss, s);
       }
       if (Slab* s = ss.empty_head; s != nullptr) {
+        PrepareFormat(s, cls);  // may throw std::bad_alloc: nothing changed
         Unlink(ss, s);
         Format(s, cls);
         LinkPartial(ss, s);
@@ -127,18 +134,31 @@ class SlabAllocator::Impl {
         base = device_.Allocate(options_.slab_bytes, stream);
       }
     }
-    absl::MutexLock lock(&mu_);
+    absl::ReleasableMutexLock lock(&mu_);
     if (!base.ok()) return base.status();
+    // Host memory before the books change: the slab, its bitmap, its
+    // stream's lists (Reset may have dropped them meanwhile) and its entry
+    // in slabs_ (a std::map: unchanged if the insert throws). Without it the
+    // slab goes back to the device allocator.
+    Slab* s = nullptr;
+    StreamSlabs* ss = nullptr;
+    try {
+      auto owned = std::make_unique<Slab>();
+      s = owned.get();
+      s->base = *base;
+      s->stream = stream;
+      PrepareFormat(s, cls);
+      ss = &StreamOf(stream);
+      slabs_.emplace(base->address(), std::move(owned));
+    } catch (const std::bad_alloc&) {
+      lock.Release();
+      device_.Deallocate(*base).IgnoreError();
+      throw;
+    }
     ++slabs_allocated_;
-    auto owned = std::make_unique<Slab>();
-    Slab* s = owned.get();
-    s->base = *base;
-    s->stream = stream;
-    slabs_.emplace(base->address(), std::move(owned));
-    StreamSlabs& ss = streams_[stream];
     Format(s, cls);
-    LinkPartial(ss, s);
-    return Take(ss, s);
+    LinkPartial(*ss, s);
+    return Take(*ss, s);
   }
 
   absl::Status Deallocate(DevicePtr ptr) noexcept ABSL_LOCKS_EXCLUDED(mu_) {
@@ -146,16 +166,37 @@ class SlabAllocator::Impl {
     absl::MutexLock lock(&mu_);
     Slab* s = nullptr;
     std::uint32_t slot = 0;
-    if (absl::Status st = Find(ptr, "Deallocate", &s, &slot); !st.ok()) {
+    absl::Status found;
+    try {
+      found = Find(ptr, "Deallocate", &s, &slot);
+    } catch (const std::bad_alloc&) {
+      found = invalid_free_;  // a copy shares the message: no allocation
+    }
+    if (!found.ok()) {
       ++invalid_frees_;
-      return st;
+      return found;
+    }
+    auto it =
+        recorded_.empty() ? recorded_.end() : recorded_.find(ptr.address());
+    // Host memory first (a pending entry, an event for each stream, room
+    // in its list): without it the object stays live.
+    alloc_internal::EventList events;
+    if (it != recorded_.end()) {
+      try {
+        if (!core_internal::TableHasRoom(pending_, 1)) {
+          core_internal::MakeRoom(pending_, 1);
+        }
+        events.reserve(it->second.size());
+        events_.Reserve(it->second.size());
+      } catch (const std::bad_alloc&) {
+        return host_oom_;
+      }
     }
     ++num_frees_;
     --class_stats_[s->cls].live_objects;
-    if (!recorded_.empty()) {
-      auto it = recorded_.find(ptr.address());
-      if (it != recorded_.end()) {
-        PendingObject p{s, slot, {}};
+    if (it != recorded_.end()) {
+      {
+        PendingObject p{s, slot, std::move(events)};
         {
           ScopedContext guard(driver_, ctx_);
           for (StreamHandle other : it->second) {
@@ -185,6 +226,9 @@ class SlabAllocator::Impl {
       return st;
     }
     if (stream == s->stream) return absl::OkStatus();
+    if (!core_internal::TableHasRoom(recorded_, 1)) {
+      core_internal::MakeRoom(recorded_, 1);
+    }
     auto& list = recorded_[ptr.address()];
     if (std::find(list.begin(), list.end(), stream) == list.end()) {
       list.push_back(stream);
@@ -235,6 +279,7 @@ class SlabAllocator::Impl {
     if (!error.ok()) return error;
     {
       absl::MutexLock lock(&mu_);
+      taken.reserve(slabs_.size());  // may throw: first
       for (auto& [addr, p] : pending_) events_.Recycle(&p.events);
       pending_.clear();
       recorded_.clear();
@@ -448,6 +493,18 @@ class SlabAllocator::Impl {
     return absl::OkStatus();
   }
 
+  // The lists of `stream`, added on first use. Throws std::bad_alloc with
+  // the table as it was (table_room.h).
+  StreamSlabs& StreamOf(StreamHandle stream)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = streams_.find(stream);
+    if (ABSL_PREDICT_TRUE(it != streams_.end())) return it->second;
+    if (!core_internal::TableHasRoom(streams_, 1)) {
+      core_internal::MakeRoom(streams_, 1);
+    }
+    return streams_[stream];
+  }
+
   // Takes a free slot of partial slab `s` (the head of its list).
   DevicePtr Take(StreamSlabs& ss, Slab* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::uint32_t w = s->hint;
@@ -466,7 +523,7 @@ class SlabAllocator::Impl {
   void Release(Slab* s, std::uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     s->bits[slot / 64] &= ~(std::uint64_t{1} << (slot % 64));
     s->hint = std::min(s->hint, slot / 64);
-    StreamSlabs& ss = streams_[s->stream];
+    StreamSlabs& ss = streams_.find(s->stream)->second;  // a slab's stream
     const bool was_full = s->used == s->capacity;
     --s->used;
     if (s->used == 0) {
@@ -482,10 +539,19 @@ class SlabAllocator::Impl {
     }
   }
 
+  std::uint32_t CapacityOf(int cls) const {
+    return static_cast<std::uint32_t>(options_.slab_bytes /
+                                      SlabClassBytes(cls));
+  }
+  // Room in `s`'s bitmap for class `cls`, so that Format does not allocate.
+  // Throws std::bad_alloc with `s` as it was.
+  void PrepareFormat(Slab* s, int cls) const {
+    s->bits.reserve((CapacityOf(cls) + 63) / 64);
+  }
+  // REQUIRES: PrepareFormat(s, cls).
   void Format(Slab* s, int cls) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     s->cls = cls;
-    s->capacity =
-        static_cast<std::uint32_t>(options_.slab_bytes / SlabClassBytes(cls));
+    s->capacity = CapacityOf(cls);
     s->used = 0;
     s->hint = 0;
     s->bits.assign((s->capacity + 63) / 64, 0);
@@ -539,9 +605,14 @@ class SlabAllocator::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     // Without an event, ordering the slab's stream after `other` cannot be
     // done without a driver, so wait on the host (rare error path).
-    if (have_context && !events_.MarkStreamUse(other, &p->events)) {
-      driver_.StreamSynchronize(other).IgnoreError();
+    // The same when host memory runs out for the event list.
+    if (!have_context) return;
+    bool ordered = false;
+    try {
+      ordered = events_.MarkStreamUse(other, &p->events);
+    } catch (const std::bad_alloc&) {
     }
+    if (!ordered) driver_.StreamSynchronize(other).IgnoreError();
   }
 
   void PollPending(bool all) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -549,6 +620,7 @@ class SlabAllocator::Impl {
     ScopedContext guard(driver_, ctx_);
     if (!guard.status().ok()) return;
     std::vector<std::uint64_t> done;
+    done.reserve(all ? pending_.size() : 1);  // may throw: first
     for (auto& [addr, p] : pending_) {
       const bool ready = events_.Complete(&p.events);
       if (ready) done.push_back(addr);
@@ -570,8 +642,15 @@ class SlabAllocator::Impl {
     }
     const absl::Time now = Now();
     if (now < next_decay_check_) return;
-    next_decay_check_ = now + options_.decay / 4;
+    // Host memory first; without it (Deallocate is noexcept) the check
+    // waits for the next call.
     std::vector<DevicePtr> bases;
+    try {
+      bases.reserve(empty_slabs_);
+    } catch (const std::bad_alloc&) {
+      return;
+    }
+    next_decay_check_ = now + options_.decay / 4;
     for (auto& [stream, ss] : streams_) {
       while (ss.empty_head != nullptr &&
              now - ss.empty_head->empty_since >= options_.decay) {
@@ -593,6 +672,7 @@ class SlabAllocator::Impl {
     std::vector<DevicePtr> bases;
     {
       absl::MutexLock lock(&mu_);
+      bases.reserve(empty_slabs_);  // may throw: first
       for (auto& [stream, ss] : streams_) {
         while (ss.empty_head != nullptr) {
           Slab* s = ss.empty_head;
@@ -615,8 +695,9 @@ class SlabAllocator::Impl {
   const ForkGuard fork_guard_;  // after fork(): every call fails
 
   mutable absl::Mutex mu_;
-  absl::btree_map<std::uint64_t, std::unique_ptr<Slab>> slabs_
-      ABSL_GUARDED_BY(mu_);
+  // std::map, not absl::btree_map: an insert that throws std::bad_alloc
+  // leaves it as it was (a btree's may leak the node it split).
+  std::map<std::uint64_t, std::unique_ptr<Slab>> slabs_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<StreamHandle, StreamSlabs> streams_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::uint64_t, absl::InlinedVector<StreamHandle, 2>>
       recorded_ ABSL_GUARDED_BY(mu_);
@@ -634,6 +715,13 @@ class SlabAllocator::Impl {
   std::int64_t num_trims_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t invalid_frees_ ABSL_GUARDED_BY(mu_) = 0;
   std::int64_t invalid_requests_ ABSL_GUARDED_BY(mu_) = 0;
+  // Deallocate's errors when host memory runs out on the way to a longer
+  // one, made up front (a copy shares the message: no allocation).
+  const absl::Status host_oom_ = absl::ResourceExhaustedError(
+      "SlabAllocator::Deallocate: out of host memory; the object stays live");
+  const absl::Status invalid_free_ = absl::InvalidArgumentError(
+      "SlabAllocator::Deallocate: not a live object of this allocator (or a "
+      "double free)");
 };
 
 absl::StatusOr<std::unique_ptr<SlabAllocator>> SlabAllocator::Create(
