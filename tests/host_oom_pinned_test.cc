@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "ctxpool/alloc/host_allocator.h"
+#include "ctxpool/driver/cuda_errors.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "gtest/gtest.h"
 #include "heap_counter.h"
@@ -88,6 +89,11 @@ class PinnedHostOomTest : public test::HostOomSweepTest {
         .op = op,
         .give_back =
             [&] {
+              if (alloc_ == nullptr) {  // the op destroyed it
+                held_.clear();
+                EXPECT_EQ(sim_->host_bytes(), 0u) << "pinned bytes lost";
+                return;
+              }
               absl::Status inv = alloc_->CheckInvariants();
               EXPECT_TRUE(inv.ok()) << "after op: " << inv;
               FreeHeld();
@@ -100,6 +106,15 @@ class PinnedHostOomTest : public test::HostOomSweepTest {
               EXPECT_EQ(st.pinned_bytes, 0u);
               EXPECT_EQ(sim_->host_bytes(), st.registered_bytes)
                   << "pinned bytes off the books";
+              if (options.host_budget_bytes != 0) {
+                // The whole budget is free again (nothing counted twice).
+                absl::StatusOr<void*> all =
+                    alloc_->Allocate(options.host_budget_bytes, S(0));
+                EXPECT_TRUE(all.ok()) << all.status();
+                if (all.ok()) {
+                  EXPECT_TRUE(alloc_->Deallocate(*all).ok());
+                }
+              }
             },
         .in_op = &in_op_,
     });
@@ -295,6 +310,39 @@ TEST_F(PinnedHostOomTest, OverBudgetFreesTheCacheFirst) {
                   }
                 },
                 o),
+            0);
+}
+
+TEST_F(PinnedHostOomTest, DriverOutOfMemoryThenHostOutOfMemory) {
+  // cuMemHostAlloc fails once: the retry frees the cache first, and host
+  // memory can run out there too.
+  HostAllocatorOptions o;
+  o.host_budget_bytes = 1 << 20;
+  EXPECT_GT(Sweep(
+                [&] {
+                  Hold(64 << 10);
+                  FreeHeld();
+                  sim_->InjectFault(SimCall::kMemHostAlloc, 1,
+                                    cu::kErrorOutOfMemory);
+                },
+                [&] { Hold(256 << 10); }, o),
+            0);
+}
+
+TEST_F(PinnedHostOomTest, DestructorWithCachedPendingAndLiveBuffers) {
+  // The destructor must not throw; without host memory for Reset's lists it
+  // frees every buffer in place.
+  EXPECT_GT(Sweep(
+                [&] {
+                  for (int i = 0; i < 24; ++i) Hold(1000 * (i + 1), i % 4);
+                  for (int i = 0; i < 4; ++i) Busy(i);
+                  for (int i = 0; i < 16; ++i) {
+                    ASSERT_TRUE(alloc_->Deallocate(held_[i]).ok());
+                  }
+                  held_.erase(held_.begin(), held_.begin() + 16);
+                  Idle();  // the pending buffers' events complete, unpolled
+                },
+                [&] { alloc_.reset(); }),
             0);
 }
 

@@ -124,6 +124,10 @@ class HostOomTest : public test::DeviceAllocatorFixture,
       EXPECT_EQ(Physical(), 0u) << "device bytes lost";
       books = CheckBooks();
       EXPECT_TRUE(books.ok()) << "after trim: " << books;
+      alloc_.reset();  // destroys the pooled events
+      EXPECT_EQ(sim_->call_count(SimCall::kEventCreate),
+                sim_->call_count(SimCall::kEventDestroy))
+          << "events lost";
       // Same op again, now with host memory.
       Init(capacity);
       setup();
@@ -210,6 +214,18 @@ TEST_P(HostOomTest, RequestThatReclaimsAnotherStream) {
 
 // Trim: granules unmapped into the cache (expandable), segments and chunks
 // released.
+TEST_P(HostOomTest, WholeFreeSegmentMovesToAnotherStream) {
+  // Classic mode moves a wholly free cached segment to a new stream (an
+  // event orders it after the old one's work; it goes back to the pool).
+  Sweep(
+      64 * kGiB,
+      [&] {
+        sim_->Hold(a1_);
+        Free(Alloc(4096, a1_));
+      },
+      [&] { Hold(4096, b1_); }, [&] { sim_->Release(a1_); });
+}
+
 TEST_P(HostOomTest, Trim) {
   const int n = Sweep(
       8 * kGiB,

@@ -934,15 +934,16 @@ class CachingDeviceAllocator::Impl {
     AllShards lock(this);
     OwnerRec* o = FindOwner(owner);
     if (o == nullptr) return UnknownOwner("CloseOwner", owner);
+    // Host memory first: a std::bad_alloc leaves the owner open.
+    std::vector<OwnedBlock> live = ListOwned(owner);
+    freed->reserve(live.size());
     // Every shard is locked: an allocation of the owner either came before
-    // (its block is listed below) or will see it closed.
+    // (its block is listed above) or will see it closed.
     o->closed.store(true, std::memory_order_relaxed);
     for (StreamState* ss : o->shards) {
       ss->mu.AssertHeld();
       ss->FindSub(owner)->closed = true;
     }
-    std::vector<OwnedBlock> live = ListOwned(owner);
-    freed->reserve(live.size());
     absl::Status first_error;
     for (const OwnedBlock& ob : live) {
       StreamState* ss = ShardOfAddress(ob.ptr.address());
@@ -2199,13 +2200,19 @@ class CachingDeviceAllocator::Impl {
 
   // ---- Events --------------------------------------------------------------
 
+  // The pool keeps room for every event this allocator created, so that
+  // PutEvent never allocates: GetEvent makes the room before it creates one
+  // (a std::bad_alloc then comes before the event exists).
   absl::StatusOr<EventHandle> GetEvent() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!event_pool_.empty()) {
       EventHandle e = event_pool_.back();
       event_pool_.pop_back();
       return e;
     }
-    return driver_.EventCreate(kEventDisableTiming);
+    core_internal::MakeVectorRoom(event_pool_, events_created_ + 1);
+    absl::StatusOr<EventHandle> e = driver_.EventCreate(kEventDisableTiming);
+    if (e.ok()) ++events_created_;
+    return e;
   }
   void PutEvent(EventHandle e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     event_pool_.push_back(e);
@@ -3848,6 +3855,7 @@ class CachingDeviceAllocator::Impl {
       ABSL_GUARDED_BY(mu_);
   std::vector<PendingEvent> pending_ ABSL_GUARDED_BY(mu_);
   std::vector<EventHandle> event_pool_ ABSL_GUARDED_BY(mu_);
+  std::size_t events_created_ ABSL_GUARDED_BY(mu_) = 0;  // room kept in the pool
   // The device totals (see the file comment): `agg` is guarded by the lock
   // of the shard in `holder` (every shard's under AllShards).
   // `holder` and `holder_thread` are read on every cached call and written

@@ -74,7 +74,11 @@ class CachingHostAllocator::Impl {
     if (fork_guard_.InForkedChild()) return;
     // A buffer the driver refuses to free stays cached after Reset; one more
     // try, then it is leaked (the driver frees pinned memory at exit).
-    if (!Reset(/*force=*/true).ok()) Reset(/*force=*/true).IgnoreError();
+    try {
+      if (!Reset(/*force=*/true).ok()) Reset(/*force=*/true).IgnoreError();
+    } catch (const std::bad_alloc&) {
+      ReleaseInPlace();  // Reset's lists found no host memory
+    }
     // One registration at a time (no list to allocate: a destructor must
     // not throw std::bad_alloc); one the driver refuses to unpin is left.
     for (std::uintptr_t after = 0;;) {
@@ -152,7 +156,12 @@ class CachingHostAllocator::Impl {
       {
         absl::MutexLock lock(&mu_);
         PollPending(/*all=*/true);
-        TakeCached(/*keep_bytes=*/0, &to_free);
+        try {
+          TakeCached(/*keep_bytes=*/0, &to_free);
+        } catch (const std::bad_alloc&) {
+          in_flight_bytes_ -= size;  // nothing taken: as it was
+          throw;
+        }
       }
       if (!to_free.empty()) {
         FreeBlocks(std::move(to_free)).IgnoreError();
@@ -345,12 +354,7 @@ class CachingHostAllocator::Impl {
         b->next_free = nullptr;
         taken.push_back(std::move(b));
       }
-      blocks_.clear();
-      ranges_.clear();
-      pending_.clear();
-      std::fill(free_heads_.begin(), free_heads_.end(), nullptr);
-      live_bytes_ = live_count_ = requested_bytes_ = 0;
-      cached_bytes_ = cached_count_ = pending_bytes_ = pending_count_ = 0;
+      ClearBooks();
     }
     absl::Status first_error;
     {
@@ -788,6 +792,39 @@ class CachingHostAllocator::Impl {
     ScopedContext guard(driver_, ctx_);
     CTXPOOL_RETURN_IF_ERROR(guard.status());
     return driver_.MemHostAlloc(size, options_.host_alloc_flags);
+  }
+
+  // Forgets every buffer (their owners moved them out or freed them).
+  void ClearBooks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    blocks_.clear();
+    ranges_.clear();
+    pending_.clear();
+    std::fill(free_heads_.begin(), free_heads_.end(), nullptr);
+    live_bytes_ = live_count_ = requested_bytes_ = 0;
+    cached_bytes_ = cached_count_ = pending_bytes_ = pending_count_ = 0;
+  }
+
+  // The destructor's last resort when Reset found no host memory for its
+  // lists: waits for every buffer's events and frees it in place, taking no
+  // memory. A buffer the driver refuses to free is leaked (the driver frees
+  // pinned memory at exit).
+  void ReleaseInPlace() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    ScopedContext guard(driver_, ctx_);
+    if (guard.status().ok()) {
+      bool any_needs_sync = false;
+      for (const auto& [addr, b] : blocks_) any_needs_sync |= b->needs_sync;
+      const bool synced = !any_needs_sync || driver_.CtxSynchronize().ok();
+      for (auto& [addr, b] : blocks_) {
+        bool done = synced || !b->needs_sync;
+        for (EventHandle e : b->events) {
+          done = done && driver_.EventSynchronize(e).ok();
+        }
+        events_.Recycle(&b->events);  // the pool has room for every event
+        if (done && driver_.MemFreeHost(b->ptr).ok()) ++upstream_frees_;
+      }
+    }
+    ClearBooks();
   }
 
   // Room in the indexes for block `b` (taken off the books, still pinned),

@@ -84,7 +84,7 @@ class SlabAllocator::Impl {
     try {
       Reset(/*force=*/true).IgnoreError();
     } catch (const std::bad_alloc&) {
-      // The slabs stay the device allocator's blocks, freed with it.
+      ReleaseInPlace();  // Reset's lists found no host memory
     }
     ScopedContext guard(driver_, ctx_);
     events_.DestroyPooled();
@@ -619,8 +619,9 @@ class SlabAllocator::Impl {
     if (pending_.empty()) return;
     ScopedContext guard(driver_, ctx_);
     if (!guard.status().ok()) return;
+    // A std::bad_alloc below leaves an object whose events completed
+    // pending with an empty list: the next poll releases it.
     std::vector<std::uint64_t> done;
-    done.reserve(all ? pending_.size() : 1);  // may throw: first
     for (auto& [addr, p] : pending_) {
       const bool ready = events_.Complete(&p.events);
       if (ready) done.push_back(addr);
@@ -665,6 +666,33 @@ class SlabAllocator::Impl {
     // The device allocator's Deallocate takes only its own lock and calls
     // nothing back, so it is safe under ours.
     for (DevicePtr b : bases) device_.Deallocate(b).IgnoreError();
+  }
+
+  // The destructor's last resort when Reset found no host memory for its
+  // lists: waits for the pending objects' events and returns every slab in
+  // place, taking no memory.
+  void ReleaseInPlace() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    {
+      ScopedContext guard(driver_, ctx_);
+      for (auto& [addr, p] : pending_) {
+        for (EventHandle e : p.events) {
+          if (guard.status().ok()) driver_.EventSynchronize(e).IgnoreError();
+        }
+        events_.Recycle(&p.events);  // the pool has room for every event
+      }
+    }
+    pending_.clear();
+    recorded_.clear();
+    streams_.clear();
+    // The device allocator's Deallocate takes only its own lock.
+    for (auto& [addr, s] : slabs_) device_.Deallocate(s->base).IgnoreError();
+    slabs_returned_ += static_cast<std::int64_t>(slabs_.size());
+    slabs_.clear();
+    for (SlabClassStats& c : class_stats_) {
+      c.live_objects = c.pending_objects = c.capacity = c.slabs = 0;
+    }
+    empty_slabs_ = 0;
   }
 
   // Returns every empty slab; returns how many.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <new>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -12,6 +13,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "ctxpool/core/cgroup.h"
+#include "ctxpool/core/internal/format.h"
+#include "ctxpool/core/internal/table_room.h"
 #include "ctxpool/options.h"
 #include "ctxpool/status.h"
 
@@ -23,7 +26,8 @@ int PriorityIndex(StreamPriority p) {
 }
 
 std::string Mib(std::size_t bytes) {
-  return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  return core_internal::Format("%.1f MiB",
+                               static_cast<double>(bytes) / (1 << 20));
 }
 
 // Applies CTXPOOL_BACKING, CTXPOOL_MAX_SPLIT_BYTES and CTXPOOL_MEMORY_LIMIT
@@ -142,8 +146,9 @@ std::string SchedFlagsName(unsigned flags) {
 }
 
 std::string ContextReport::ToString() const {
-  std::string out = absl::StrFormat("device %d: %s (%s), %s total\n", device,
-                                    device_name, driver, Mib(total_bytes));
+  std::string out =
+      core_internal::Format("device %d: %s (%s), %s total\n", device,
+                            device_name, driver, Mib(total_bytes));
   if (primary_was_active) {
     absl::StrAppend(&out,
                     "  primary context: already active (retained first by "
@@ -154,7 +159,7 @@ std::string ContextReport::ToString() const {
                     Mib(free_before_retain_bytes), " before, ",
                     Mib(free_after_retain_bytes), " after the first retain)\n");
   }
-  absl::StrAppendFormat(
+  core_internal::AppendFormat(
       &out,
       "  limits: stack %d B/thread, malloc heap %s, printf FIFO %s; stream "
       "priorities %d (low) .. %d (high)\n",
@@ -335,7 +340,8 @@ DeviceContext::~DeviceContext() {
     (void)allocator_.release();
     return;
   }
-  std::vector<StreamHandle> streams;
+  // Swapped out, not copied: a destructor must not allocate.
+  std::vector<StreamHandle> streams[2];
   std::vector<EventHandle> events;
   {
     absl::MutexLock lock(&mu_);
@@ -345,10 +351,7 @@ DeviceContext::~DeviceContext() {
                    "open session(s); destroy sessions first\n",
                    device_, static_cast<int>(sessions_.size()));
     }
-    for (auto& pool : idle_streams_) {
-      streams.insert(streams.end(), pool.begin(), pool.end());
-      pool.clear();
-    }
+    for (int i = 0; i < 2; ++i) streams[i].swap(idle_streams_[i]);
     events.swap(idle_events_);
   }
   {
@@ -358,7 +361,9 @@ DeviceContext::~DeviceContext() {
       host_.reset();
       allocator_.reset();  // returns its memory to the driver
       for (EventHandle e : events) driver_.EventDestroy(e).IgnoreError();
-      for (StreamHandle s : streams) driver_.StreamDestroy(s).IgnoreError();
+      for (const auto& pool : streams) {
+        for (StreamHandle s : pool) driver_.StreamDestroy(s).IgnoreError();
+      }
     } else {
       (void)slab_.release();
       (void)host_.release();
@@ -435,53 +440,78 @@ absl::StatusOr<std::unique_ptr<ModelSession>> DeviceContext::OpenSession(
   // name is unique among tenants, so a concurrent OpenSession of the same
   // model fails here.
   CachingDeviceAllocator& alloc = device_allocator();
-  absl::StatusOr<TenantId> tenant = alloc.RegisterTenant(
-      name, ctxpool::Budget{
-                .min = budget.min_bytes,
-                .high = budget.high_bytes == 0 ? kNoLimit : budget.high_bytes,
-                .max = kNoLimit});
-  absl::Status bound = tenant.status();
-  std::size_t num_bound = 0;
-  for (; bound.ok() && num_bound < leased.size(); ++num_bound) {
-    bound = alloc.BindStream(leased[num_bound], *tenant);
-  }
-  if (!bound.ok()) {
-    for (std::size_t i = 0; i + 1 < num_bound; ++i) {
-      alloc.UnbindStream(leased[i]).IgnoreError();
-    }
-    if (tenant.ok()) alloc.UnregisterTenant(*tenant).IgnoreError();
-    ReturnStreams(leased);
-    {
-      absl::MutexLock lock(&mu_);
-      if (name_taken()) return duplicate();
-    }
-    return absl::Status(bound.code(),
-                        absl::StrCat("DeviceContext::OpenSession('", name,
-                                     "'): ", bound.message()));
-  }
-  // The model's allocations carry it as their owner, which enforces the
-  // session's max on live bytes, exactly, in the allocator's shards.
-  absl::StatusOr<OwnerId> owner =
-      alloc.RegisterOwner(name, OwnerOptions{.max_live_bytes = budget.max_bytes,
-                                             .record_times = record_times});
-  if (!owner.ok()) {
-    for (StreamHandle s : leased) alloc.UnbindStream(s).IgnoreError();
-    alloc.UnregisterTenant(*tenant).IgnoreError();
-    ReturnStreams(leased);
-    return owner.status();
-  }
-  std::unique_ptr<ModelSession> session(new ModelSession(
-      this, std::string(name), std::move(leased), budget, *tenant, *owner));
+  // Host memory running out (std::bad_alloc) anywhere below gives back what
+  // was registered and leased, and the caller sees the exception.
+  absl::StatusOr<TenantId> tenant;  // UNKNOWN: none yet (no allocation)
+  absl::StatusOr<OwnerId> owner;
+  std::size_t num_bound = 0;  // streams bound to the tenant
+  std::unique_ptr<ModelSession> session;
   bool lost_race = false;
-  {
+  try {
+    tenant = alloc.RegisterTenant(
+        name, ctxpool::Budget{
+                  .min = budget.min_bytes,
+                  .high = budget.high_bytes == 0 ? kNoLimit : budget.high_bytes,
+                  .max = kNoLimit});
+    absl::Status bound = tenant.status();
+    while (bound.ok() && num_bound < leased.size()) {
+      bound = alloc.BindStream(leased[num_bound], *tenant);
+      if (bound.ok()) ++num_bound;
+    }
+    if (!bound.ok()) {
+      for (std::size_t i = 0; i < num_bound; ++i) {
+        alloc.UnbindStream(leased[i]).IgnoreError();
+      }
+      if (tenant.ok()) alloc.UnregisterTenant(*tenant).IgnoreError();
+      ReturnStreams(leased);
+      {
+        absl::MutexLock lock(&mu_);
+        if (name_taken()) return duplicate();
+      }
+      return absl::Status(bound.code(),
+                          absl::StrCat("DeviceContext::OpenSession('", name,
+                                       "'): ", bound.message()));
+    }
+    // The model's allocations carry it as their owner, which enforces the
+    // session's max on live bytes, exactly, in the allocator's shards.
+    owner = alloc.RegisterOwner(name,
+                                OwnerOptions{.max_live_bytes = budget.max_bytes,
+                                             .record_times = record_times});
+    if (!owner.ok()) {
+      for (StreamHandle s : leased) alloc.UnbindStream(s).IgnoreError();
+      alloc.UnregisterTenant(*tenant).IgnoreError();
+      ReturnStreams(leased);
+      return owner.status();
+    }
+    std::string key(name);
+    session.reset(new ModelSession(this, std::string(name), leased, budget,
+                                   *tenant, *owner));
     absl::MutexLock lock(&mu_);
     lost_race = name_taken();
     if (!lost_race) {
+      core_internal::MakeVectorRoom(sessions_, 1);
+      if (!core_internal::TableHasRoom(model_totals_, 1)) {
+        core_internal::MakeRoom(model_totals_, 1);
+      }
+      ModelLeakTotals& totals = model_totals_[std::move(key)];
+      ++totals.sessions;
       sessions_.push_back(session.get());
       ++stats_.sessions_opened;
       stats_.open_sessions = static_cast<int>(sessions_.size());
-      ++model_totals_[session->name()].sessions;
     }
+  } catch (const std::bad_alloc&) {
+    for (std::size_t i = 0; i < num_bound; ++i) {
+      alloc.UnbindStream(leased[i]).IgnoreError();
+    }
+    if (tenant.ok()) alloc.UnregisterTenant(*tenant).IgnoreError();
+    if (owner.ok()) alloc.UnregisterOwner(*owner).IgnoreError();
+    ReturnStreams(leased);
+    if (session != nullptr) {
+      // Nothing to close: never registered.
+      session->closing_.store(true, std::memory_order_release);
+      session->closed_.store(true, std::memory_order_release);
+    }
+    throw;
   }
   if (lost_race) {
     // Another OpenSession of the same name registered first.
@@ -490,8 +520,7 @@ absl::StatusOr<std::unique_ptr<ModelSession>> DeviceContext::OpenSession(
     }
     alloc.UnregisterTenant(session->tenant()).IgnoreError();
     alloc.UnregisterOwner(session->owner()).IgnoreError();
-    ReturnStreams(std::vector<StreamHandle>(session->streams().begin(),
-                                            session->streams().end()));
+    ReturnStreams(session->streams());
     // Nothing to close: never registered.
     session->closing_.store(true, std::memory_order_release);
     session->closed_.store(true, std::memory_order_release);
@@ -556,7 +585,7 @@ absl::Status DeviceContext::CheckCurrentContext() {
     absl::MutexLock lock(&mu_);
     ++stats_.foreign_context_warnings;
   }
-  return absl::FailedPreconditionError(absl::StrFormat(
+  return absl::FailedPreconditionError(core_internal::Format(
       "context explosion: context 0x%x (device %s) is current on this "
       "thread, not device %d's primary context 0x%x. Each extra context "
       "costs its own device memory (%s for the primary one here) and does "
@@ -616,6 +645,12 @@ absl::StatusOr<std::vector<StreamHandle>> DeviceContext::LeaseStreams(
   const int missing = n - static_cast<int>(out.size());
   if (missing == 0) return out;
   std::vector<StreamHandle> created;
+  try {
+    created.reserve(static_cast<std::size_t>(missing));
+  } catch (const std::bad_alloc&) {
+    ReturnStreams(out);
+    throw;
+  }
   absl::Status s = [&]() -> absl::Status {
     ScopedContext guard(driver_, context_);
     CTXPOOL_RETURN_IF_ERROR(guard.status());
@@ -629,14 +664,32 @@ absl::StatusOr<std::vector<StreamHandle>> DeviceContext::LeaseStreams(
     }
     return absl::OkStatus();
   }();
-  {
+  try {
     absl::MutexLock lock(&mu_);
+    // Room first: the priority of each new stream, and a place in either
+    // pool for every stream there is (ReturnStreams must not allocate).
+    if (!core_internal::TableHasRoom(stream_priority_, created.size())) {
+      core_internal::MakeRoom(stream_priority_, created.size());
+    }
+    const std::size_t total = stream_priority_.size() + created.size();
+    for (auto& pool : idle_streams_) {
+      core_internal::MakeVectorRoom(pool, total - pool.size());
+    }
     for (StreamHandle stream : created) {
       stream_priority_[stream] = p;
       ++stats_.streams_created;
     }
     stats_.streams_leased += static_cast<int>(created.size());
     stats_.stream_leases += static_cast<std::int64_t>(created.size());
+  } catch (const std::bad_alloc&) {
+    {
+      ScopedContext guard(driver_, context_);
+      for (StreamHandle stream : created) {
+        driver_.StreamDestroy(stream).IgnoreError();
+      }
+    }
+    ReturnStreams(out);
+    throw;
   }
   out.insert(out.end(), created.begin(), created.end());
   if (!s.ok()) {
@@ -646,7 +699,7 @@ absl::StatusOr<std::vector<StreamHandle>> DeviceContext::LeaseStreams(
   return out;
 }
 
-void DeviceContext::ReturnStreams(const std::vector<StreamHandle>& streams) {
+void DeviceContext::ReturnStreams(absl::Span<const StreamHandle> streams) {
   absl::MutexLock lock(&mu_);
   for (StreamHandle stream : streams) {
     auto it = stream_priority_.find(stream);
@@ -665,6 +718,11 @@ absl::StatusOr<EventHandle> DeviceContext::AcquireEvent() {
       idle_events_.pop_back();
       return e;
     }
+    // Room in the pool for every event created (ReturnEvents must not
+    // allocate); may throw std::bad_alloc before the event exists.
+    core_internal::MakeVectorRoom(
+        idle_events_, static_cast<std::size_t>(stats_.events_created) + 1 -
+                          idle_events_.size());
   }
   ScopedContext guard(driver_, context_);
   CTXPOOL_RETURN_IF_ERROR(guard.status());
@@ -675,9 +733,17 @@ absl::StatusOr<EventHandle> DeviceContext::AcquireEvent() {
   return e;
 }
 
-void DeviceContext::ReturnEvents(const std::vector<EventHandle>& events) {
+void DeviceContext::ReturnEvents(absl::Span<const EventHandle> events) {
   absl::MutexLock lock(&mu_);
   idle_events_.insert(idle_events_.end(), events.begin(), events.end());
+}
+
+void DeviceContext::OnSessionAbandoned(ModelSession* session) {
+  absl::MutexLock lock(&mu_);
+  sessions_.erase(std::remove(sessions_.begin(), sessions_.end(), session),
+                  sessions_.end());
+  stats_.open_sessions = static_cast<int>(sessions_.size());
+  ++stats_.sessions_abandoned;
 }
 
 void DeviceContext::OnSessionClosed(ModelSession* session, bool from_destructor,

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <limits>
+#include <new>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +13,7 @@
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/context/device_context.h"
 #include "ctxpool/core/internal/coarse_clock.h"
+#include "ctxpool/core/internal/format.h"
 #include "ctxpool/status.h"
 
 namespace ctxpool {
@@ -43,8 +45,8 @@ std::string LiveAllocation::ToString(absl::string_view model,
                                      std::int64_t now_ns) const {
   std::string out = absl::StrCat(model, ": ", bytes, " B");
   if (label != nullptr) absl::StrAppend(&out, " '", label, "'");
-  absl::StrAppendFormat(&out, " at 0x%x on stream 0x%x", ptr.address(),
-                        stream.value());
+  core_internal::AppendFormat(&out, " at 0x%x on stream 0x%x", ptr.address(),
+                              stream.value());
   if (allocated_at_ns != 0) {
     // A wall-clock step back can put `now_ns` before the stamp: age 0.
     absl::StrAppend(&out, ", age ",
@@ -78,10 +80,33 @@ ModelSession::ModelSession(DeviceContext* device, std::string name,
 ModelSession::~ModelSession() {
   if (fork_guard_.InForkedChild()) return;  // no driver call: leak
   if (closing_.load(std::memory_order_acquire)) return;
-  absl::Status s = CloseImpl(/*from_destructor=*/true);
-  if (!s.ok()) {
-    std::fprintf(stderr, "ctxpool: session destroyed without Close: %s\n",
-                 std::string(s.message()).c_str());
+  // A destructor must not throw: host memory running out while closing
+  // leaves what was not reclaimed to the DeviceContext's destruction.
+  try {
+    absl::Status s = CloseImpl(/*from_destructor=*/true);
+    if (!s.ok()) {
+      std::fprintf(stderr, "ctxpool: session destroyed without Close: %s\n",
+                   std::string(s.message()).c_str());
+    }
+  } catch (const std::bad_alloc&) {
+    // After the reclaim (closed_) everything went back and only the message
+    // ran out of memory. Before it, the reclaim threw with nothing changed
+    // (CloseImpl): the session is abandoned. The DeviceContext forgets it
+    // (no dangling pointer); its blocks, streams and tenant come back only
+    // when the DeviceContext is destroyed.
+    if (!closed_.load(std::memory_order_acquire)) {
+      closing_.store(true, std::memory_order_release);
+      closed_.store(true, std::memory_order_release);
+      device_->OnSessionAbandoned(this);
+      std::fprintf(stderr,
+                   "ctxpool: session destroyed without Close while host "
+                   "memory ran out; its memory and streams return with the "
+                   "DeviceContext\n");
+    } else {
+      std::fprintf(stderr,
+                   "ctxpool: session destroyed without Close (out of host "
+                   "memory for the leak report)\n");
+    }
   }
 }
 
@@ -234,7 +259,13 @@ absl::Status ModelSession::CloseImpl(bool from_destructor) {
   std::vector<EventHandle> events;
   {
     absl::MutexLock lock(&mu_);
-    reclaim = allocator_.CloseOwner(owner_, &leaks);
+    try {
+      reclaim = allocator_.CloseOwner(owner_, &leaks);
+    } catch (const std::bad_alloc&) {
+      // Nothing was freed: the session stays open, to be closed again.
+      closing_.store(false, std::memory_order_release);
+      throw;
+    }
     closed_.store(true, std::memory_order_release);
     events.swap(idle_events_);
   }
@@ -256,8 +287,15 @@ absl::Status ModelSession::CloseImpl(bool from_destructor) {
     // Under mu_, so that Stats() sees the owner registered or final_ set,
     // never neither.
     absl::MutexLock lock(&mu_);
-    absl::StatusOr<OwnerStats> final_stats = allocator_.UnregisterOwner(owner_);
-    if (final_stats.ok()) final_ = *std::move(final_stats);
+    // From here on the memory is reclaimed: host memory running out only
+    // leaves the owner registered (its final stats unknown), never the
+    // streams or events out of their pools.
+    try {
+      absl::StatusOr<OwnerStats> final_stats =
+          allocator_.UnregisterOwner(owner_);
+      if (final_stats.ok()) final_ = *std::move(final_stats);
+    } catch (const std::bad_alloc&) {
+    }
     leaked_allocations_ += static_cast<std::int64_t>(leaks.size());
     leaked_bytes_ += leaked_bytes;
   }
@@ -265,11 +303,15 @@ absl::Status ModelSession::CloseImpl(bool from_destructor) {
   // default tenant (with what they cache) and forget the model's tenant, so
   // that the pooled streams and the name can serve the next session.
   absl::Status untenant;
-  for (StreamHandle s : streams_) {
-    absl::Status u = allocator_.UnbindStream(s);
-    if (untenant.ok() && !u.ok()) untenant = u;
+  try {
+    for (StreamHandle s : streams_) {
+      absl::Status u = allocator_.UnbindStream(s);
+      if (untenant.ok() && !u.ok()) untenant = u;
+    }
+    if (untenant.ok()) untenant = allocator_.UnregisterTenant(tenant_);
+  } catch (const std::bad_alloc&) {
+    untenant = absl::ResourceExhaustedError("out of host memory");
   }
-  if (untenant.ok()) untenant = allocator_.UnregisterTenant(tenant_);
   device_->ReturnEvents(events);
   device_->ReturnStreams(streams_);
   device_->OnSessionClosed(this, from_destructor,

@@ -167,8 +167,10 @@ class CachingHostAllocator {
   // enqueued on its allocation stream and on RecordStream'd streams has
   // completed. Never crashes: INVALID_ARGUMENT (and invalid_frees += 1) for a
   // pointer that is not the start of a live buffer of this allocator,
-  // including a double free. A failing stream query or event record makes the
-  // buffer wait for a host synchronise at Trim/Reset instead.
+  // including a double free. A failing stream query or event record, or host
+  // memory running out for the buffer's event list, makes the buffer wait
+  // for the host synchronise of Reset instead (Trim, which never blocks,
+  // counts it as busy).
   absl::Status Deallocate(void* ptr) noexcept;
 
   // Marks that work on `stream` uses `ptr` (e.g. a copy on a second stream).

@@ -49,6 +49,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/alloc/host_allocator.h"
 #include "ctxpool/alloc/slab_allocator.h"
@@ -151,6 +152,10 @@ struct DeviceContextStats {
   std::int64_t sessions_opened = 0;
   std::int64_t sessions_closed = 0;
   std::int64_t sessions_destroyed_unclosed = 0;
+  // Destroyed without Close while host memory ran out (std::bad_alloc)
+  // before their memory could be reclaimed: their blocks, streams and
+  // tenant come back only when this DeviceContext is destroyed.
+  std::int64_t sessions_abandoned = 0;
   int streams_created = 0;         // ever, both priorities
   int streams_idle = 0;            // in the pool
   int streams_leased = 0;          // held by sessions
@@ -243,20 +248,26 @@ class DeviceContext {
   DeviceContext(Driver& driver, int device, ContextHandle context,
                 ContextReport report);
 
-  // The stream pool. Lease creates streams when the pool is short.
+  // The stream pool. Lease creates streams when the pool is short; it
+  // throws std::bad_alloc (host memory) with the pool as it was. The pools
+  // keep room for every stream and event this context created, so that
+  // returning them (Close, a session's destructor) never allocates.
   absl::StatusOr<std::vector<StreamHandle>> LeaseStreams(int n,
                                                          StreamPriority p)
       ABSL_LOCKS_EXCLUDED(mu_);
-  void ReturnStreams(const std::vector<StreamHandle>& streams)
+  void ReturnStreams(absl::Span<const StreamHandle> streams)
       ABSL_LOCKS_EXCLUDED(mu_);
   // The event pool (kEventDisableTiming events).
   absl::StatusOr<EventHandle> AcquireEvent() ABSL_LOCKS_EXCLUDED(mu_);
-  void ReturnEvents(const std::vector<EventHandle>& events)
+  void ReturnEvents(absl::Span<const EventHandle> events)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Session bookkeeping.
   void OnSessionClosed(ModelSession* session, bool from_destructor,
                        std::int64_t leaked_allocations,
                        std::size_t leaked_bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // A session destroyed without its memory reclaimed (sessions_abandoned).
+  // Does not allocate.
+  void OnSessionAbandoned(ModelSession* session) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<ContextLimits> ReadLimits() const;
 
   Driver& driver_;
