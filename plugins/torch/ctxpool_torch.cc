@@ -50,6 +50,7 @@
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/context/device_context.h"
 #include "ctxpool/context/model_session.h"
+#include "ctxpool/core/internal/format.h"
 #include "ctxpool/core/stats.h"
 #include "ctxpool/driver/cuda_driver.h"
 #include "ctxpool/driver/driver.h"
@@ -285,7 +286,7 @@ class PluginState {
       return live->device->device_allocator().RecordStream(p, stream,
                                                            live->block.owner);
     }
-    return absl::InvalidArgumentError(absl::StrFormat(
+    return absl::InvalidArgumentError(core_internal::Format(
         "ctxpool_record_stream(%p): not a live allocation of ctxpool", ptr));
   }
 
@@ -447,7 +448,7 @@ class PluginState {
         ++mismatched_frees_;
       }
       // (A size mismatch on the right device is counted by its allocator.)
-      return absl::InvalidArgumentError(absl::StrFormat(
+      return absl::InvalidArgumentError(core_internal::Format(
           "ctxpool_free(%p, %u, device %d): the allocation was %u bytes on "
           "device %d; refused, the block stays allocated",
           ptr, size, device, live->block.requested_bytes, on));
@@ -456,7 +457,7 @@ class PluginState {
       absl::MutexLock lock(&mu_);
       ++invalid_frees_;  // no allocator of `device` saw it
     }
-    return absl::InvalidArgumentError(absl::StrFormat(
+    return absl::InvalidArgumentError(core_internal::Format(
         "ctxpool_free(%p, %u, device %d): not a live allocation of ctxpool (a "
         "foreign pointer or a double free); nothing freed",
         ptr, size, device));
