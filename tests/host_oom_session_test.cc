@@ -39,18 +39,22 @@ class SessionHostOomTest : public test::HostOomSweepTest,
     spec.capacity_bytes = std::size_t{1} << 30;
     spec.context_overhead_bytes = 0;
     sim_ = SimDriver::Create({.devices = {spec}});
-    DeviceContextOptions o;
-    o.use_option_table = false;
-    o.stream_pool_reserve = 0;
-    o.allocator.backing = GetParam();
-    absl::StatusOr<std::unique_ptr<DeviceContext>> dc =
-        DeviceContext::Create(*sim_, 0, o);
+    absl::StatusOr<std::unique_ptr<DeviceContext>> dc = CreateContext(0);
     ASSERT_TRUE(dc.ok()) << dc.status();
     dc_ = std::move(*dc);
     sessions_.clear();
     sessions_.reserve(16);
     held_.clear();
     held_.reserve(1024);
+  }
+  // A context on the simulator, in this test's backing.
+  absl::StatusOr<std::unique_ptr<DeviceContext>> CreateContext(
+      int stream_pool_reserve) {
+    DeviceContextOptions o;
+    o.use_option_table = false;
+    o.stream_pool_reserve = stream_pool_reserve;
+    o.allocator.backing = GetParam();
+    return DeviceContext::Create(*sim_, 0, o);
   }
   void Teardown() {
     if (sim_ == nullptr) return;
@@ -101,6 +105,13 @@ class SessionHostOomTest : public test::HostOomSweepTest,
         .op = op,
         .give_back =
             [&] {
+              if (dc_ == nullptr) {  // the op did not make one
+                EXPECT_EQ(sim_->used_bytes(0), 0u) << "device bytes lost";
+                EXPECT_EQ(sim_->call_count(SimCall::kStreamCreate),
+                          sim_->call_count(SimCall::kStreamDestroy))
+                    << "streams lost";
+                return;
+              }
               absl::Status inv = dc_->device_allocator().CheckInvariants();
               EXPECT_TRUE(inv.ok()) << "after op: " << inv;
               for (const auto& [s, p] : held_) {
@@ -265,6 +276,26 @@ TEST_P(SessionHostOomTest, DestroyWithLeaks) {
         in_destroy_op_ = in_op_;
         sessions_.clear();  // the destructor closes: must not throw
       });
+}
+
+TEST_P(SessionHostOomTest, CreateContext) {
+  // DeviceContext::Create with its allocators and pooled streams: throws
+  // std::bad_alloc or fails, and a context it did not return leaves nothing.
+  EXPECT_GT(Sweep(
+                [&] {
+                  dc_.reset();
+                  EXPECT_EQ(sim_->used_bytes(0), 0u);
+                },
+                [&] {
+                  absl::StatusOr<std::unique_ptr<DeviceContext>> dc =
+                      CreateContext(2);
+                  if (dc.ok()) {
+                    dc_ = std::move(*dc);
+                  } else {
+                    EXPECT_TRUE(in_op_) << dc.status();
+                  }
+                }),
+            0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backings, SessionHostOomTest, test::kBothBackings,
