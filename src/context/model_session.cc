@@ -310,7 +310,8 @@ absl::Status ModelSession::CloseImpl(bool from_destructor) {
     }
     if (untenant.ok()) untenant = allocator_.UnregisterTenant(tenant_);
   } catch (const std::bad_alloc&) {
-    untenant = absl::ResourceExhaustedError("out of host memory");
+    // A code without a message: making it takes no host memory.
+    untenant = absl::Status(absl::StatusCode::kResourceExhausted, "");
   }
   device_->ReturnEvents(events);
   device_->ReturnStreams(streams_);
