@@ -2268,11 +2268,11 @@ class CachingDeviceAllocator::Impl {
     ScopedContext ctx(driver_, ctx_);
     CTXPOOL_RETURN_IF_ERROR(ctx.status());
     absl::InlinedVector<EventHandle, 4> events;
-    // Host memory first: the events, their way back to the pool and the
-    // pending entries cannot throw std::bad_alloc once events are recorded.
+    // Host memory first: the events and the pending entries cannot throw
+    // std::bad_alloc once events are recorded (their way back to the pool
+    // cannot either: GetEvent keeps room there).
     const std::size_t uses = b->stream_uses.size();
     events.reserve(uses);
-    core_internal::MakeVectorRoom(event_pool_, uses);
     core_internal::MakeVectorRoom(pending_, uses);
     bool need_sync = false;
     for (std::uint64_t s : b->stream_uses) {
@@ -3855,7 +3855,8 @@ class CachingDeviceAllocator::Impl {
       ABSL_GUARDED_BY(mu_);
   std::vector<PendingEvent> pending_ ABSL_GUARDED_BY(mu_);
   std::vector<EventHandle> event_pool_ ABSL_GUARDED_BY(mu_);
-  std::size_t events_created_ ABSL_GUARDED_BY(mu_) = 0;  // room kept in the pool
+  std::size_t events_created_ ABSL_GUARDED_BY(mu_) =
+      0;  // room kept in the pool
   // The device totals (see the file comment): `agg` is guarded by the lock
   // of the shard in `holder` (every shard's under AllShards).
   // `holder` and `holder_thread` are read on every cached call and written

@@ -187,18 +187,12 @@ class CachingHostAllocator::Impl {
           });
       return error;
     }
-    // Host memory before the books change: the block, room for it in the
-    // indexes and in the pending queue (Deallocate, noexcept, must not
-    // allocate). Without it the new buffer goes back to the driver.
+    // Host memory before the books change: the block and its place on the
+    // books (Admit). Without it the new buffer goes back to the driver.
     std::unique_ptr<HostBlock> block;
     try {
       block = std::make_unique<HostBlock>();
-      if (!core_internal::TableHasRoom(blocks_, 1)) {
-        core_internal::MakeRoom(blocks_, 1);
-      }
-      core_internal::MakeVectorRoom(pending_,
-                                    blocks_.size() + 1 - pending_.size());
-      ranges_.emplace(Addr(*p), size);  // a std::map: unchanged if it throws
+      Admit(*p, size);
     } catch (const std::bad_alloc&) {
       lock.Release();
       ScopedContext guard(driver_, ctx_);
@@ -827,20 +821,28 @@ class CachingHostAllocator::Impl {
     ClearBooks();
   }
 
-  // Room in the indexes for block `b` (taken off the books, still pinned),
-  // and its entry in ranges_; the caller then puts it in blocks_. False when
+  // The host memory a buffer at `ptr` of `size` bytes takes on the books:
+  // room for it in blocks_ and in the pending queue (Deallocate, noexcept,
+  // must not allocate), and its entry in ranges_; the caller then puts it
+  // in blocks_, which cannot allocate. Throws std::bad_alloc with the books
+  // as they were (ranges_ is a std::map, unchanged by a throwing insert).
+  void Admit(void* ptr, std::size_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!core_internal::TableHasRoom(blocks_, 1)) {
+      core_internal::MakeRoom(blocks_, 1);
+    }
+    core_internal::MakeVectorRoom(pending_,
+                                  blocks_.size() + 1 - pending_.size());
+    ranges_.emplace(Addr(ptr), size);
+  }
+
+  // Admit for block `b` (taken off the books, still pinned). False when
   // host memory ran out: the block is then released from its owner and its
   // pinned memory left to the driver (a driver failure and host memory
   // running out at once).
   bool Readmit(std::unique_ptr<HostBlock>& b)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     try {
-      if (!core_internal::TableHasRoom(blocks_, 1)) {
-        core_internal::MakeRoom(blocks_, 1);
-      }
-      core_internal::MakeVectorRoom(pending_,
-                                    blocks_.size() + 1 - pending_.size());
-      ranges_.emplace(Addr(b->ptr), b->size);
+      Admit(b->ptr, b->size);
       return true;
     } catch (const std::bad_alloc&) {
       events_.Recycle(&b->events);

@@ -30,6 +30,7 @@
 
 #include "absl/container/inlined_vector.h"
 #include "absl/status/statusor.h"
+#include "ctxpool/core/internal/table_room.h"
 #include "ctxpool/driver/driver.h"
 
 namespace ctxpool {
@@ -84,9 +85,7 @@ class PendingEvents {
   // MarkStreamUse calls on lists with room of their own cannot throw.
   // Throws std::bad_alloc with nothing changed.
   void Reserve(std::size_t n) {
-    if (pool_.capacity() < created_ + n) {
-      pool_.reserve(std::max(2 * pool_.capacity(), created_ + n));
-    }
+    core_internal::MakeVectorRoom(pool_, created_ + n - pool_.size());
   }
 
   // Queries `events` newest first and returns each completed one to the

@@ -281,16 +281,8 @@ class SlabAllocator::Impl {
       absl::MutexLock lock(&mu_);
       taken.reserve(slabs_.size());  // may throw: first
       for (auto& [addr, p] : pending_) events_.Recycle(&p.events);
-      pending_.clear();
-      recorded_.clear();
-      streams_.clear();
       for (auto& [addr, s] : slabs_) taken.push_back(std::move(s));
-      slabs_.clear();
-      for (SlabClassStats& c : class_stats_) {
-        c.live_objects = c.pending_objects = c.capacity = c.slabs = 0;
-      }
-      empty_slabs_ = 0;
-      slabs_returned_ += static_cast<std::int64_t>(taken.size());
+      ClearBooks();
     }
     for (auto& s : taken) error.Update(device_.Deallocate(s->base));
     return error;
@@ -682,11 +674,18 @@ class SlabAllocator::Impl {
         events_.Recycle(&p.events);  // the pool has room for every event
       }
     }
+    // The device allocator's Deallocate takes only its own lock.
+    for (auto& [addr, s] : slabs_) device_.Deallocate(s->base).IgnoreError();
+    ClearBooks();
+  }
+
+  // Forgets every slab and object (the caller returned the slabs or moved
+  // them out, and recycled the pending objects' events); counts the slabs
+  // as returned.
+  void ClearBooks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     pending_.clear();
     recorded_.clear();
     streams_.clear();
-    // The device allocator's Deallocate takes only its own lock.
-    for (auto& [addr, s] : slabs_) device_.Deallocate(s->base).IgnoreError();
     slabs_returned_ += static_cast<std::int64_t>(slabs_.size());
     slabs_.clear();
     for (SlabClassStats& c : class_stats_) {

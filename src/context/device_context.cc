@@ -447,6 +447,20 @@ absl::StatusOr<std::unique_ptr<ModelSession>> DeviceContext::OpenSession(
   std::size_t num_bound = 0;  // streams bound to the tenant
   std::unique_ptr<ModelSession> session;
   bool lost_race = false;
+  // Gives back what this call registered and leased; a session made for it
+  // is marked closed (nothing to close: never registered).
+  auto give_back = [&] {
+    for (std::size_t i = 0; i < num_bound; ++i) {
+      alloc.UnbindStream(leased[i]).IgnoreError();
+    }
+    if (tenant.ok()) alloc.UnregisterTenant(*tenant).IgnoreError();
+    if (owner.ok()) alloc.UnregisterOwner(*owner).IgnoreError();
+    ReturnStreams(leased);
+    if (session != nullptr) {
+      session->closing_.store(true, std::memory_order_release);
+      session->closed_.store(true, std::memory_order_release);
+    }
+  };
   try {
     tenant = alloc.RegisterTenant(
         name, ctxpool::Budget{
@@ -459,11 +473,7 @@ absl::StatusOr<std::unique_ptr<ModelSession>> DeviceContext::OpenSession(
       if (bound.ok()) ++num_bound;
     }
     if (!bound.ok()) {
-      for (std::size_t i = 0; i < num_bound; ++i) {
-        alloc.UnbindStream(leased[i]).IgnoreError();
-      }
-      if (tenant.ok()) alloc.UnregisterTenant(*tenant).IgnoreError();
-      ReturnStreams(leased);
+      give_back();
       {
         absl::MutexLock lock(&mu_);
         if (name_taken()) return duplicate();
@@ -478,9 +488,7 @@ absl::StatusOr<std::unique_ptr<ModelSession>> DeviceContext::OpenSession(
                                 OwnerOptions{.max_live_bytes = budget.max_bytes,
                                              .record_times = record_times});
     if (!owner.ok()) {
-      for (StreamHandle s : leased) alloc.UnbindStream(s).IgnoreError();
-      alloc.UnregisterTenant(*tenant).IgnoreError();
-      ReturnStreams(leased);
+      give_back();
       return owner.status();
     }
     std::string key(name);
@@ -500,30 +508,11 @@ absl::StatusOr<std::unique_ptr<ModelSession>> DeviceContext::OpenSession(
       stats_.open_sessions = static_cast<int>(sessions_.size());
     }
   } catch (const std::bad_alloc&) {
-    for (std::size_t i = 0; i < num_bound; ++i) {
-      alloc.UnbindStream(leased[i]).IgnoreError();
-    }
-    if (tenant.ok()) alloc.UnregisterTenant(*tenant).IgnoreError();
-    if (owner.ok()) alloc.UnregisterOwner(*owner).IgnoreError();
-    ReturnStreams(leased);
-    if (session != nullptr) {
-      // Nothing to close: never registered.
-      session->closing_.store(true, std::memory_order_release);
-      session->closed_.store(true, std::memory_order_release);
-    }
+    give_back();
     throw;
   }
-  if (lost_race) {
-    // Another OpenSession of the same name registered first.
-    for (StreamHandle s : session->streams()) {
-      alloc.UnbindStream(s).IgnoreError();
-    }
-    alloc.UnregisterTenant(session->tenant()).IgnoreError();
-    alloc.UnregisterOwner(session->owner()).IgnoreError();
-    ReturnStreams(session->streams());
-    // Nothing to close: never registered.
-    session->closing_.store(true, std::memory_order_release);
-    session->closed_.store(true, std::memory_order_release);
+  if (lost_race) {  // another OpenSession of the same name registered first
+    give_back();
     return duplicate();
   }
   return session;
@@ -738,11 +727,15 @@ void DeviceContext::ReturnEvents(absl::Span<const EventHandle> events) {
   idle_events_.insert(idle_events_.end(), events.begin(), events.end());
 }
 
-void DeviceContext::OnSessionAbandoned(ModelSession* session) {
-  absl::MutexLock lock(&mu_);
+void DeviceContext::ForgetSession(ModelSession* session) {
   sessions_.erase(std::remove(sessions_.begin(), sessions_.end(), session),
                   sessions_.end());
   stats_.open_sessions = static_cast<int>(sessions_.size());
+}
+
+void DeviceContext::OnSessionAbandoned(ModelSession* session) {
+  absl::MutexLock lock(&mu_);
+  ForgetSession(session);
   ++stats_.sessions_abandoned;
 }
 
@@ -750,9 +743,7 @@ void DeviceContext::OnSessionClosed(ModelSession* session, bool from_destructor,
                                     std::int64_t leaked_allocations,
                                     std::size_t leaked_bytes) {
   absl::MutexLock lock(&mu_);
-  sessions_.erase(std::remove(sessions_.begin(), sessions_.end(), session),
-                  sessions_.end());
-  stats_.open_sessions = static_cast<int>(sessions_.size());
+  ForgetSession(session);
   ++stats_.sessions_closed;
   if (from_destructor) ++stats_.sessions_destroyed_unclosed;
   stats_.leaked_allocations += leaked_allocations;

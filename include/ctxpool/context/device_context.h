@@ -268,6 +268,8 @@ class DeviceContext {
   // A session destroyed without its memory reclaimed (sessions_abandoned).
   // Does not allocate.
   void OnSessionAbandoned(ModelSession* session) ABSL_LOCKS_EXCLUDED(mu_);
+  // Drops `session` from the open sessions.
+  void ForgetSession(ModelSession* session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<ContextLimits> ReadLimits() const;
 
   Driver& driver_;
