@@ -70,12 +70,7 @@ class PinnedHostOomTest : public test::HostOomSweepTest {
   // Frees every held buffer that is still live (a Deallocate under the
   // countdown may have returned an error and kept it live).
   void FreeHeld() {
-    for (void* p : held_) {
-      const absl::Status s = alloc_->Deallocate(p);
-      EXPECT_TRUE(s.ok() || s.code() == absl::StatusCode::kInvalidArgument)
-          << s;
-    }
-    held_.clear();
+    test::FreeAll(held_, [&](void* p) { return alloc_->Deallocate(p); });
   }
 
   // Sweeps k = 0, 1, ...: `setup` on a fresh allocator, then `op` with the
@@ -164,32 +159,23 @@ TEST_F(PinnedHostOomTest, DeallocateOnBusyStreams) {
                   }
                   for (int i = 0; i < 4; ++i) Busy(i);
                 },
-                [&] {
-                  const absl::Status s = alloc_->Deallocate(p);
-                  EXPECT_TRUE(s.ok() ||
-                              s.code() == absl::StatusCode::kResourceExhausted)
-                      << s;
-                }),
+                [&] { test::ExpectFreedOrKeptLive(alloc_->Deallocate(p)); }),
             0);
 }
 
 TEST_F(PinnedHostOomTest, DeallocateManyPending) {
-  EXPECT_GT(
-      Sweep(
-          [&] {
-            for (int i = 0; i < 40; ++i) Hold(4096 + 512 * i, i % 4);
-            for (int i = 0; i < 4; ++i) Busy(i);
-          },
-          [&] {
-            std::vector<void*> live = held_;
-            for (void* p : live) {
-              const absl::Status s = alloc_->Deallocate(p);
-              EXPECT_TRUE(s.ok() ||
-                          s.code() == absl::StatusCode::kResourceExhausted)
-                  << s;
-            }
-          }),
-      0);
+  EXPECT_GT(Sweep(
+                [&] {
+                  for (int i = 0; i < 40; ++i) Hold(4096 + 512 * i, i % 4);
+                  for (int i = 0; i < 4; ++i) Busy(i);
+                },
+                [&] {
+                  std::vector<void*> live = held_;
+                  for (void* p : live) {
+                    test::ExpectFreedOrKeptLive(alloc_->Deallocate(p));
+                  }
+                }),
+            0);
 }
 
 TEST_F(PinnedHostOomTest, AllocatePollsPending) {
@@ -352,15 +338,9 @@ TEST_F(PinnedHostOomTest, InvalidFreesNeverThrow) {
                     // A foreign pointer, then a double free: errors, never a
                     // throw (Deallocate is noexcept).
                     int local = 0;
-                    absl::Status s = alloc_->Deallocate(&local);
-                    EXPECT_FALSE(s.ok());
-                    void* p = held_.back();
-                    s = alloc_->Deallocate(p);
-                    if (s.ok()) {
-                      held_.pop_back();
-                      s = alloc_->Deallocate(p);
-                      EXPECT_FALSE(s.ok());
-                    }
+                    EXPECT_FALSE(alloc_->Deallocate(&local).ok());
+                    test::ExpectDoubleFreeRefused(
+                        held_, [&](void* q) { return alloc_->Deallocate(q); });
                   }),
             0);
 }

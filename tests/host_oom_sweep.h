@@ -16,7 +16,9 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "gtest/gtest.h"
@@ -68,6 +70,35 @@ inline int SweepHostAllocations(const SweepSteps& s) {
   }
   ADD_FAILURE() << "op made over " << s.max_allocations << " host allocations";
   return s.max_allocations;
+}
+
+// The answer of a noexcept Deallocate under the countdown: freed, or
+// RESOURCE_EXHAUSTED with the object still live.
+inline void ExpectFreedOrKeptLive(const absl::Status& s) {
+  EXPECT_TRUE(s.ok() || s.code() == absl::StatusCode::kResourceExhausted) << s;
+}
+
+// Frees every pointer in `held` with `free`; one a Deallocate under the
+// countdown kept live is freed now, one it freed is refused
+// (INVALID_ARGUMENT).
+template <typename Ptr, typename Free>
+void FreeAll(std::vector<Ptr>& held, Free free) {
+  for (Ptr p : held) {
+    const absl::Status s = free(p);
+    EXPECT_TRUE(s.ok() || s.code() == absl::StatusCode::kInvalidArgument) << s;
+  }
+  held.clear();
+}
+
+// Frees the last pointer of `held` with `free`; once freed, a second free
+// of it must be refused.
+template <typename Ptr, typename Free>
+void ExpectDoubleFreeRefused(std::vector<Ptr>& held, Free free) {
+  const Ptr p = held.back();
+  if (free(p).ok()) {
+    held.pop_back();
+    EXPECT_FALSE(free(p).ok());
+  }
 }
 
 // A fixture's common part: a SimDriver with a current context and four
