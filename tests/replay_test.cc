@@ -51,6 +51,26 @@ TEST(Replay, CountsOpsLiveAndReserved) {
   EXPECT_FALSE(r->samples.empty());
 }
 
+// Two replays of one trace and configuration did the same (wall clocks
+// aside).
+void ExpectSameOutcome(const ReplayResult& a, const ReplayResult& b) {
+  EXPECT_EQ(a.ops, b.ops);
+  EXPECT_EQ(a.peak_live_bytes, b.peak_live_bytes);
+  EXPECT_EQ(a.peak_reserved_bytes, b.peak_reserved_bytes);
+  EXPECT_EQ(a.upstream_allocations, b.upstream_allocations);
+  EXPECT_EQ(a.cache_hits, b.cache_hits);
+  EXPECT_EQ(a.ooms, b.ooms);
+  EXPECT_EQ(a.simulated_time_ns, b.simulated_time_ns);
+  EXPECT_EQ(a.driver_calls, b.driver_calls);
+  EXPECT_EQ(a.sim_alloc.p99, b.sim_alloc.p99);
+  EXPECT_EQ(a.sim_alloc.max, b.sim_alloc.max);
+  ASSERT_EQ(a.samples.size(), b.samples.size());
+  for (std::size_t i = 0; i < a.samples.size(); ++i) {
+    EXPECT_EQ(a.samples[i].reserved_bytes, b.samples[i].reserved_bytes);
+    EXPECT_EQ(a.samples[i].largest_free_bytes, b.samples[i].largest_free_bytes);
+  }
+}
+
 TEST(Replay, IsDeterministic) {
   const Trace t =
       MultiStream({.seed = 11, .streams = 3, .ops_per_stream = 600});
@@ -60,21 +80,7 @@ TEST(Replay, IsDeterministic) {
   absl::StatusOr<ReplayResult> b = Replay(t, c);
   ASSERT_TRUE(a.ok()) << a.status();
   ASSERT_TRUE(b.ok()) << b.status();
-  EXPECT_EQ(a->ops, b->ops);
-  EXPECT_EQ(a->peak_live_bytes, b->peak_live_bytes);
-  EXPECT_EQ(a->peak_reserved_bytes, b->peak_reserved_bytes);
-  EXPECT_EQ(a->upstream_allocations, b->upstream_allocations);
-  EXPECT_EQ(a->cache_hits, b->cache_hits);
-  EXPECT_EQ(a->ooms, b->ooms);
-  EXPECT_EQ(a->simulated_time_ns, b->simulated_time_ns);
-  EXPECT_EQ(a->sim_alloc.p99, b->sim_alloc.p99);
-  EXPECT_EQ(a->sim_alloc.max, b->sim_alloc.max);
-  ASSERT_EQ(a->samples.size(), b->samples.size());
-  for (std::size_t i = 0; i < a->samples.size(); ++i) {
-    EXPECT_EQ(a->samples[i].reserved_bytes, b->samples[i].reserved_bytes);
-    EXPECT_EQ(a->samples[i].largest_free_bytes,
-              b->samples[i].largest_free_bytes);
-  }
+  ExpectSameOutcome(*a, *b);
   // The trace's peak live is the allocator-independent number.
   EXPECT_EQ(a->peak_live_bytes, Summarize(t).peak_live_bytes);
   // The JSON form carries the required keys.
@@ -404,6 +410,103 @@ TEST(Replay, SecondPassIsWarm) {
   }
   EXPECT_EQ(r->passes[0].ops + r->passes[1].ops, r->ops);
   EXPECT_THAT(ReplayResultToText(*r), HasSubstr("pass 2"));
+}
+
+// Each order statistic of the per-call minima is at most the first run's.
+void ExpectAtMost(const LatencyStats& min, const LatencyStats& one) {
+  EXPECT_EQ(min.count, one.count);
+  EXPECT_LE(min.p50, one.p50);
+  EXPECT_LE(min.p99, one.p99);
+  EXPECT_LE(min.p999, one.p999);
+  EXPECT_LE(min.max, one.max);
+  EXPECT_LE(min.total, one.total);
+  EXPECT_GT(min.total, 0);
+}
+
+TEST(Replay, RepeatsReportTheLeastWallTimeOfEachCall) {
+  const Trace t = MixedSizes({.seed = 3, .ops = 2000});
+  ReplayConfig c;
+  c.passes = 2;
+  absl::StatusOr<ReplayResult> once = Replay(t, c);
+  ASSERT_TRUE(once.ok()) << once.status();
+  EXPECT_EQ(once->repeats, 1);
+  EXPECT_EQ(once->wall_alloc_min.count, 0u);
+  EXPECT_THAT(ReplayResultToJson(*once), Not(HasSubstr("wall_allocate_min")));
+  EXPECT_THAT(ReplayResultToText(*once), Not(HasSubstr("least wall time")));
+
+  c.repeats = 3;
+  absl::StatusOr<ReplayResult> r = Replay(t, c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->repeats, 3);
+  ExpectAtMost(r->wall_alloc_min, r->wall_alloc);
+  ExpectAtMost(r->wall_free_min, r->wall_free);
+  // Everything else is one run's, as without repeats.
+  ExpectSameOutcome(*r, *once);
+  const std::string json = ReplayResultToJson(*r);
+  EXPECT_THAT(json, HasSubstr("\"repeats\": 3"));
+  EXPECT_THAT(json, HasSubstr("\"wall_allocate_min\": {\"count\": "));
+  EXPECT_THAT(json, HasSubstr("\"wall_deallocate_min\": {\"count\": "));
+  EXPECT_THAT(ReplayResultToText(*r),
+              HasSubstr("per call, the least wall time of 3 runs"));
+
+  // Without wall clocks there is nothing to fold.
+  c.wall_latency = false;
+  r = Replay(t, c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->wall_alloc_min.count, 0u);
+}
+
+TEST(Replay, RepeatsOnAGivenDriverLeaveNothingBehind) {
+  std::unique_ptr<SimDriver> sim = SimDriver::Create();
+  const Trace t = MultiStream({.seed = 2, .streams = 2, .ops_per_stream = 300});
+  ReplayConfig c;
+  c.repeats = 2;
+  absl::StatusOr<ReplayResult> r = ReplayOnDriver(t, *sim, 0, c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->repeats, 2);
+  ExpectAtMost(r->wall_alloc_min, r->wall_alloc);
+  EXPECT_EQ(sim->misuse_count(), 0u)
+      << ::testing::PrintToString(sim->misuse_log());
+  EXPECT_EQ(sim->primary_ctx_refcount(0), 0);
+  EXPECT_EQ(sim->used_bytes(0), 0u);
+}
+
+TEST(Replay, RefusesRepeatsBelowOne) {
+  const Trace t = MixedSizes({.seed = 1, .ops = 10});
+  for (int repeats : {0, -1}) {
+    ReplayConfig c;
+    c.repeats = repeats;
+    absl::StatusOr<ReplayResult> r = Replay(t, c);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(r.status().message(), HasSubstr("repeats"));
+    std::unique_ptr<SimDriver> sim = SimDriver::Create();
+    r = ReplayOnDriver(t, *sim, 0, c);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(sim->call_count(SimCall::kPrimaryCtxRetain), 0u);
+  }
+}
+
+TEST(Replay, RepeatsThatReplayDifferentlyAreAnError) {
+  // The second run's driver refuses every allocation, so it stops at its
+  // first OOM: its calls cannot be matched with the first run's.
+  std::unique_ptr<SimDriver> sim = SimDriver::Create();
+  const Trace t = MixedSizes({.seed = 1, .ops = 200});
+  ReplayConfig c;
+  ASSERT_TRUE(ParseAllocatorConfig("backing=classic", &c.allocator).ok());
+  c.repeats = 2;
+  c.stop_at_first_oom = true;
+  c.progress_every = t.size();
+  int runs_ended = 0;
+  c.progress = [&](std::size_t done, std::size_t total) {
+    if (done == total && ++runs_ended == 1) {
+      sim->InjectFault(SimCall::kMemAlloc, 1000,
+                       /*CUDA_ERROR_OUT_OF_MEMORY=*/2);
+    }
+  };
+  absl::StatusOr<ReplayResult> r = ReplayOnDriver(t, *sim, 0, c);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("did not replay the same way"));
+  EXPECT_EQ(sim->used_bytes(0), 0u);
 }
 
 TEST(LatencyStats, NearestRankPercentiles) {

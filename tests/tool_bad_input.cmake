@@ -31,6 +31,8 @@ if(NOT rc STREQUAL "2" OR NOT err MATCHES "--device needs a preset name")
   message(FATAL_ERROR "ctxpool replay --device '': exit '${rc}':\n${err}")
 endif()
 expect_fail(2 "bad --capacity" replay workload:mixed --capacity banana)
+expect_fail(2 "--repeat needs a number in \\[1, 100\\]" replay workload:mixed --repeat 0)
+expect_fail(2 "--repeat needs a number in \\[1, 100\\]" replay workload:mixed --repeat many)
 ]=])
   add_test(NAME ctxpool_tool_bad_input
     COMMAND ${CMAKE_COMMAND} -DTOOL=$<TARGET_FILE:ctxpool_tool>

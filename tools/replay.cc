@@ -44,7 +44,7 @@ void PrintReplayUsage(std::FILE* out) {
       "[--config K=V,...]\n"
       "                      [--find-min-capacity] [--stop-at-oom] "
       "[--no-cost-model] [--trims]\n"
-      "                      [--passes N] "
+      "                      [--passes N] [--repeat N] "
       "[--unknown-free error|synthesize|ignore]\n"
       "                      [--gpu] [--json] [--samples] [--progress]\n\n"
       "Replays TRACE on a fresh caching allocator over a simulated device.\n\n"
@@ -72,6 +72,12 @@ void PrintReplayUsage(std::FILE* out) {
       "(what the trace\n"
       "                     leaves live is freed between passes); driver "
       "calls per pass\n"
+      "  --repeat N         run the whole replay N times, each on a fresh "
+      "device and allocator,\n"
+      "                     and also report, per call, the least wall time "
+      "of the N runs\n"
+      "                     (the allocator's own cost, the machine's noise "
+      "out)\n"
       "  --no-cost-model    simulated driver calls cost nothing (no simulated "
       "latency)\n"
       "  --trims            call Trim(0) at the trace's trim events and report "
@@ -112,6 +118,18 @@ int ParseArgs(int argc, char** argv, Args* a) {
       return nullptr;
     }
     return argv[++i];
+  };
+  // A whole number in [1, most] after `flag`, into *out.
+  auto need_count = [&](int& i, const char* flag, int most, int* out) {
+    const char* v = need_value(i, flag);
+    if (v == nullptr) return false;
+    if (!absl::SimpleAtoi(v, out) || *out < 1 || *out > most) {
+      std::fprintf(stderr,
+                   "ctxpool replay: %s needs a number in [1, %d], not '%s'\n",
+                   flag, most, v);
+      return false;
+    }
+    return true;
   };
   a->config.allocator.backing = BackingMode::kAuto;
   for (int i = 1; i < argc; ++i) {
@@ -168,17 +186,9 @@ int ParseArgs(int argc, char** argv, Args* a) {
     } else if (arg == "--stop-at-oom") {
       a->config.stop_at_first_oom = true;
     } else if (arg == "--passes") {
-      const char* v = need_value(i, "--passes");
-      if (v == nullptr) return 2;
-      int n = 0;
-      if (!absl::SimpleAtoi(v, &n) || n < 1 || n > 1000) {
-        std::fprintf(stderr,
-                     "ctxpool replay: --passes needs a number in [1, 1000], "
-                     "not '%s'\n",
-                     v);
-        return 2;
-      }
-      a->config.passes = n;
+      if (!need_count(i, "--passes", 1000, &a->config.passes)) return 2;
+    } else if (arg == "--repeat") {
+      if (!need_count(i, "--repeat", 100, &a->config.repeats)) return 2;
     } else if (arg == "--no-cost-model") {
       a->config.cost_model = false;
     } else if (arg == "--trims") {

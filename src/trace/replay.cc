@@ -7,12 +7,14 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -84,6 +86,11 @@ class ReplayRun {
 
   absl::StatusOr<ReplayResult> Run();
 
+  // The wall time of each Allocate / Deallocate, in call order (after Run,
+  // with wall_latency).
+  std::vector<std::int64_t>& wall_alloc_samples() { return wall_alloc_; }
+  std::vector<std::int64_t>& wall_free_samples() { return wall_free_; }
+
  private:
   absl::Status Setup();
   void Sample(std::size_t index, std::uint64_t live);
@@ -122,6 +129,8 @@ class ReplayRun {
   absl::flat_hash_map<std::uint64_t, StreamHandle> streams_;
   std::unique_ptr<CachingDeviceAllocator> alloc_;
   ReplayResult result_;
+  std::vector<std::int64_t> wall_alloc_;
+  std::vector<std::int64_t> wall_free_;
 };
 
 absl::Status ReplayRun::Setup() {
@@ -215,7 +224,11 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
                                        : std::max<std::size_t>(1, n / 200);
   const std::size_t progress_every =
       std::max<std::size_t>(1, config_.progress_every);
-  std::vector<std::int64_t> sim_alloc, sim_free, wall_alloc, wall_free;
+  std::vector<std::int64_t> sim_alloc, sim_free;
+  std::vector<std::int64_t>& wall_alloc = wall_alloc_;
+  std::vector<std::int64_t>& wall_free = wall_free_;
+  wall_alloc.clear();
+  wall_free.clear();
   if (sim_costs) {
     sim_alloc.reserve(n / 2 + 1);
     sim_free.reserve(n / 2 + 1);
@@ -392,8 +405,11 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
   }
   result_.sim_alloc = ComputeLatencyStats(sim_alloc);
   result_.sim_free = ComputeLatencyStats(sim_free);
-  result_.wall_alloc = ComputeLatencyStats(wall_alloc);
-  result_.wall_free = ComputeLatencyStats(wall_free);
+  // The samples stay in call order (a repeated replay folds them per call).
+  std::vector<std::int64_t> sorted = wall_alloc;
+  result_.wall_alloc = ComputeLatencyStats(sorted);
+  sorted = wall_free;
+  result_.wall_free = ComputeLatencyStats(sorted);
   return std::move(result_);
 }
 
@@ -456,19 +472,79 @@ LatencyStats ComputeLatencyStats(std::vector<std::int64_t>& samples) {
   return l;
 }
 
+namespace {
+
+// Folds one run's samples into the per-call minima `into` (empty: the first
+// run's samples).
+absl::Status FoldMinima(absl::string_view what, int run,
+                        const std::vector<std::int64_t>& samples,
+                        std::vector<std::int64_t>* into) {
+  if (run == 0) {
+    *into = samples;
+    return absl::OkStatus();
+  }
+  if (samples.size() != into->size()) {
+    return absl::InternalError(absl::StrFormat(
+        "replay run %d made %d %s calls, the first run %d: the runs did not "
+        "replay the same way",
+        run + 1, samples.size(), what, into->size()));
+  }
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    (*into)[i] = std::min((*into)[i], samples[i]);
+  }
+  return absl::OkStatus();
+}
+
+// config.repeats runs, each on the driver `next_driver` gives (device
+// `device`), folded as ReplayConfig::repeats says.
+absl::StatusOr<ReplayResult> RepeatedReplay(
+    const Trace& trace, int device, const ReplayConfig& config,
+    absl::FunctionRef<absl::StatusOr<Driver*>()> next_driver) {
+  if (config.repeats < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "replay: repeats must be at least 1, not %d", config.repeats));
+  }
+  std::optional<ReplayResult> first;
+  std::vector<std::int64_t> alloc_min, free_min;
+  for (int k = 0; k < config.repeats; ++k) {
+    CTXPOOL_ASSIGN_OR_RETURN(Driver * driver, next_driver());
+    ReplayRun run(trace, *driver, device, config);
+    CTXPOOL_ASSIGN_OR_RETURN(ReplayResult r, run.Run());
+    if (config.repeats > 1 && config.wall_latency) {
+      CTXPOOL_RETURN_IF_ERROR(
+          FoldMinima("Allocate", k, run.wall_alloc_samples(), &alloc_min));
+      CTXPOOL_RETURN_IF_ERROR(
+          FoldMinima("Deallocate", k, run.wall_free_samples(), &free_min));
+    }
+    if (k == 0) first = std::move(r);
+  }
+  first->repeats = config.repeats;
+  if (config.repeats > 1 && config.wall_latency) {
+    first->wall_alloc_min = ComputeLatencyStats(alloc_min);
+    first->wall_free_min = ComputeLatencyStats(free_min);
+  }
+  return std::move(*first);
+}
+
+}  // namespace
+
 absl::StatusOr<ReplayResult> ReplayOnDriver(const Trace& trace, Driver& driver,
                                             int device,
                                             const ReplayConfig& config) {
-  ReplayRun run(trace, driver, device, config);
-  return run.Run();
+  return RepeatedReplay(trace, device, config,
+                        [&]() -> absl::StatusOr<Driver*> { return &driver; });
 }
 
 absl::StatusOr<ReplayResult> Replay(const Trace& trace,
                                     const ReplayConfig& config) {
   CTXPOOL_ASSIGN_OR_RETURN(SimDeviceSpec spec, SpecFor(config));
-  std::unique_ptr<SimDriver> sim = SimDriver::Create({.devices = {spec}});
-  sim->SetRaceDetection(false);  // replays touch no memory
-  return ReplayOnDriver(trace, *sim, 0, config);
+  std::unique_ptr<SimDriver> sim;
+  return RepeatedReplay(trace, 0, config, [&]() -> absl::StatusOr<Driver*> {
+    sim.reset();  // the previous run's, before the next is built
+    sim = SimDriver::Create({.devices = {spec}});
+    sim->SetRaceDetection(false);  // replays touch no memory
+    return sim.get();
+  });
 }
 
 absl::StatusOr<CapacitySearch> FindMinCapacity(const Trace& trace,
@@ -477,6 +553,7 @@ absl::StatusOr<CapacitySearch> FindMinCapacity(const Trace& trace,
   ReplayConfig probe = config;
   probe.cost_model = false;
   probe.wall_latency = false;
+  probe.repeats = 1;
   probe.stop_at_first_oom = true;
   probe.sample_every = std::numeric_limits<std::size_t>::max();
   probe.progress = nullptr;
@@ -642,7 +719,8 @@ std::string ReplayResultToJson(const ReplayResult& r, bool with_samples) {
       "\"max_trim_residual_bytes\": %d, "
       "\"max_trim_residual_granules_per_stream\": %.4f, "
       "\"worst_trim_point\": %s, "
-      "\"simulated_time_ns\": %d, \"wall_time_ns\": %d, ",
+      "\"simulated_time_ns\": %d, \"wall_time_ns\": %d, "
+      "\"repeats\": %d, ",
       JsonString(r.trace_source), JsonString(r.device), r.capacity_bytes,
       r.context_overhead_bytes, r.ops, r.allocs, r.frees, r.skipped_events,
       r.skipped_frees, r.trims, r.peak_live_bytes, r.peak_reserved_bytes,
@@ -651,7 +729,7 @@ std::string ReplayResultToJson(const ReplayResult& r, bool with_samples) {
       r.upstream_frees, r.cache_hits, r.max_external_fragmentation,
       r.max_trim_residual_bytes, r.max_trim_residual_granules_per_stream,
       r.worst_trim_point ? absl::StrCat(*r.worst_trim_point) : "null",
-      r.simulated_time_ns, r.wall_time_ns);
+      r.simulated_time_ns, r.wall_time_ns, r.repeats);
   absl::StrAppendFormat(&out,
                         "\"backing\": %s, \"driver_calls_total\": %d, "
                         "\"simulated_driver_ns\": %d, \"driver_calls\": ",
@@ -689,6 +767,12 @@ std::string ReplayResultToJson(const ReplayResult& r, bool with_samples) {
   AppendLatencyJson(&out, "wall_allocate", r.wall_alloc);
   out += ", ";
   AppendLatencyJson(&out, "wall_deallocate", r.wall_free);
+  if (r.wall_alloc_min.count != 0 || r.wall_free_min.count != 0) {
+    out += ", ";
+    AppendLatencyJson(&out, "wall_allocate_min", r.wall_alloc_min);
+    out += ", ";
+    AppendLatencyJson(&out, "wall_deallocate_min", r.wall_free_min);
+  }
   out += "}";
   if (with_samples) {
     out += ", \"samples\": [";
@@ -798,6 +882,12 @@ std::string ReplayResultToText(const ReplayResult& r) {
   out += LatencyLine("Deallocate (sim cost)", r.sim_free);
   out += LatencyLine("Allocate (wall clock)", r.wall_alloc);
   out += LatencyLine("Deallocate (wall clock)", r.wall_free);
+  if (r.wall_alloc_min.count != 0 || r.wall_free_min.count != 0) {
+    absl::StrAppendFormat(&out, "  per call, the least wall time of %d runs:\n",
+                          r.repeats);
+    out += LatencyLine("Allocate (wall, min)", r.wall_alloc_min);
+    out += LatencyLine("Deallocate (wall, min)", r.wall_free_min);
+  }
   absl::StrAppendFormat(&out,
                         "time:             %.3f ms wall, %.3f ms simulated "
                         "driver time\n",

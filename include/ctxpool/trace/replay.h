@@ -18,7 +18,9 @@
 //                    2 MiB granules per active stream
 //   latency          p50 / p99 / p99.9 / max of Allocate and Deallocate:
 //                    `sim_*` from SimDriver's cost model (simulated driver
-//                    time), `wall_*` measured with a monotonic clock
+//                    time), `wall_*` measured with a monotonic clock, and
+//                    with `repeats`, `wall_*_min`: per call, the least wall
+//                    time over that many runs (the machine's noise out)
 //
 //   absl::StatusOr<Trace> t = ReadTraceFile("run.rmm.csv");
 //   ReplayConfig config;
@@ -88,6 +90,16 @@ struct ReplayConfig {
   bool cost_model = true;
   // Measure each Allocate/Deallocate with a monotonic clock.
   bool wall_latency = true;
+  // Run the whole replay this many times (Replay: each on a fresh SimDriver;
+  // ReplayOnDriver: on the same driver), each on a fresh allocator, and
+  // report in ReplayResult::wall_*_min, for each call, the least of its wall
+  // times over the runs: the allocator's own cost, without what the machine
+  // adds to a few calls at random (preemption, a hypervisor's steal, timer
+  // interrupts) nor a fresh process's one-time costs (first touch of host
+  // memory). Every other figure is the first run's; `progress` is called
+  // for each run. Needs wall_latency (else the minima are not measured).
+  // REQUIRES: >= 1.
+  int repeats = 1;
   // Call Trim(0) at kTrim events (trim points) and measure what stays
   // reserved (ReplayResult::max_trim_residual_*).
   bool replay_trims = false;
@@ -170,6 +182,12 @@ struct ReplayResult {
   LatencyStats sim_free;
   LatencyStats wall_alloc;  // measured wall-clock time per Allocate
   LatencyStats wall_free;
+  // config.repeats, and with more than one (and wall_latency), the per-call
+  // minima of the wall times over the runs (ReplayConfig::repeats; each
+  // order statistic is at most wall_alloc's / wall_free's).
+  int repeats = 1;
+  LatencyStats wall_alloc_min;
+  LatencyStats wall_free_min;
   std::int64_t simulated_time_ns = 0;  // all simulated driver time
   std::int64_t wall_time_ns = 0;       // the whole replay loop
   // The backing the allocator used: "classic" or "expandable".
@@ -199,7 +217,10 @@ absl::StatusOr<ReplayResult> Replay(const Trace& trace,
 
 // Replays on `driver` (e.g. a CudaDriver on a real GPU), device `device`.
 // config.device / capacity_bytes are ignored; cost_model applies only when
-// `driver` is a SimDriver. REQUIRES: the driver outlives the call.
+// `driver` is a SimDriver. INVALID_ARGUMENT for repeats < 1; INTERNAL when
+// the runs of a repeated replay make different numbers of calls (the
+// driver did not behave the same way twice). REQUIRES: the driver outlives
+// the call.
 absl::StatusOr<ReplayResult> ReplayOnDriver(const Trace& trace, Driver& driver,
                                             int device,
                                             const ReplayConfig& config);
