@@ -509,6 +509,78 @@ TEST(Replay, RepeatsThatReplayDifferentlyAreAnError) {
   EXPECT_EQ(sim->used_bytes(0), 0u);
 }
 
+// Ten allocations of 64 MiB and more on stream 1, then frees of the first
+// `frees` of them.
+Trace TenLarge(int frees) {
+  Trace t;
+  for (std::uint64_t i = 0; i < 10; ++i) {
+    t.Append(Alloc(0x1000 + i, (64 << 20) + i * (4 << 20), 1));
+  }
+  for (std::uint64_t i = 0; i < static_cast<std::uint64_t>(frees); ++i) {
+    t.Append(Free(0x1000 + i, (64 << 20) + i * (4 << 20), 1));
+  }
+  return t;
+}
+
+TEST(Replay, RepeatsWhoseCallsEndDifferentlyAreAnError) {
+  // Each run makes as many Allocate and Deallocate calls as the first, but
+  // in the second the driver refuses memory from a given event on (two
+  // refusals: the call and the allocator's retry), so one call's outcome
+  // differs: its times must not be paired with the first run's.
+  struct Case {
+    int frees;
+    std::size_t fail_first, fail_second;  // event indexes; -1: none
+  };
+  constexpr std::size_t kNone = ~std::size_t{0};
+  for (const Case& k : {Case{9, kNone, 9}, Case{10, 2, 7}}) {
+    SCOPED_TRACE(::testing::Message() << "frees " << k.frees);
+    std::unique_ptr<SimDriver> sim = SimDriver::Create();
+    const Trace t = TenLarge(k.frees);
+    ReplayConfig c;
+    ASSERT_TRUE(ParseAllocatorConfig("backing=classic", &c.allocator).ok());
+    c.repeats = 2;
+    c.progress_every = 1;
+    int run = -1;
+    c.progress = [&](std::size_t done, std::size_t) {
+      if (done == 1) ++run;
+      const std::size_t at = run == 0 ? k.fail_first : k.fail_second;
+      if (at != kNone && done == at) {
+        sim->InjectFault(SimCall::kMemAlloc, 2, /*CUDA_ERROR_OUT_OF_MEMORY=*/2);
+      }
+    };
+    absl::StatusOr<ReplayResult> r = ReplayOnDriver(t, *sim, 0, c);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
+    EXPECT_THAT(r.status().message(), HasSubstr("did not replay the same way"));
+    EXPECT_THAT(r.status().message(), HasSubstr("Allocate at event"));
+    EXPECT_EQ(sim->used_bytes(0), 0u);
+    EXPECT_EQ(sim->primary_ctx_refcount(0), 0);
+  }
+}
+
+TEST(Replay, ReportsProgressForEveryEventIncludingFailedOnes) {
+  // The first allocation fails (the driver refuses it and its retry), so
+  // its free is skipped: both events still count as done.
+  std::unique_ptr<SimDriver> sim = SimDriver::Create();
+  const Trace t = TenLarge(10);
+  ReplayConfig c;
+  ASSERT_TRUE(ParseAllocatorConfig("backing=classic", &c.allocator).ok());
+  c.progress_every = 1;
+  std::vector<std::size_t> done;
+  c.progress = [&](std::size_t d, std::size_t total) {
+    EXPECT_EQ(total, t.size());
+    done.push_back(d);
+  };
+  sim->InjectFault(SimCall::kMemAlloc, 2, /*CUDA_ERROR_OUT_OF_MEMORY=*/2);
+  absl::StatusOr<ReplayResult> r = ReplayOnDriver(t, *sim, 0, c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->ooms, 1u);
+  EXPECT_EQ(r->skipped_frees, 1u);
+  std::vector<std::size_t> want;
+  for (std::size_t i = 1; i <= t.size(); ++i) want.push_back(i);
+  want.push_back(t.size());  // the end
+  EXPECT_EQ(done, want);
+}
+
 TEST(LatencyStats, NearestRankPercentiles) {
   std::vector<std::int64_t> v;
   for (int i = 1000; i >= 1; --i) v.push_back(i);

@@ -90,6 +90,14 @@ class ReplayRun {
   // with wall_latency).
   std::vector<std::int64_t>& wall_alloc_samples() { return wall_alloc_; }
   std::vector<std::int64_t>& wall_free_samples() { return wall_free_; }
+  // With repeats and wall_latency, every timed call in order, as CallKey
+  // encodes it: the runs of a repeated replay must log the same calls.
+  const std::vector<std::uint64_t>& call_log() const { return call_log_; }
+  static std::uint64_t CallKey(std::size_t event, bool free, bool ok) {
+    return (static_cast<std::uint64_t>(event) << 2) |
+           (static_cast<std::uint64_t>(free) << 1) |
+           static_cast<std::uint64_t>(ok);
+  }
 
  private:
   absl::Status Setup();
@@ -131,6 +139,7 @@ class ReplayRun {
   ReplayResult result_;
   std::vector<std::int64_t> wall_alloc_;
   std::vector<std::int64_t> wall_free_;
+  std::vector<std::uint64_t> call_log_;
 };
 
 absl::Status ReplayRun::Setup() {
@@ -229,6 +238,8 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
   std::vector<std::int64_t>& wall_free = wall_free_;
   wall_alloc.clear();
   wall_free.clear();
+  call_log_.clear();
+  const bool log_calls = config_.repeats > 1 && config_.wall_latency;
   if (sim_costs) {
     sim_alloc.reserve(n / 2 + 1);
     sim_free.reserve(n / 2 + 1);
@@ -246,6 +257,14 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
   std::uint64_t live_bytes = 0;
   const std::int64_t start_ns = NowNs();
 
+  // After each event, acted on or not: the fragmentation sample and the
+  // progress report.
+  auto tick = [&](std::size_t i) {
+    if (i % sample_every == 0) Sample(i, live_bytes);
+    if (config_.progress && (i + 1) % progress_every == 0) {
+      config_.progress(i + 1, n);
+    }
+  };
   const int passes = std::max(1, config_.passes);
   for (int pass = 0; pass < passes && !result_.stopped_at_oom; ++pass) {
     const std::array<std::uint64_t, kSimCallCount> calls_at_pass = CallCounts();
@@ -265,6 +284,7 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
         if (sim_costs) {
           sim_alloc.push_back(SimDriver::thread_simulated_time_ns() - s0);
         }
+        if (log_calls) call_log_.push_back(CallKey(i, false, p.ok()));
         ++result_.ops;
         if (!p.ok()) {
           const absl::StatusCode code = p.status().code();
@@ -290,6 +310,7 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
             result_.stopped_at_oom = true;
             break;
           }
+          tick(i);
           continue;
         }
         if (!live.emplace(e.ptr, LiveAlloc{*p, e.size, e.stream}).second) {
@@ -305,6 +326,7 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
         if (it == live.end()) {
           if (failed.erase(e.ptr) != 0) {
             ++result_.skipped_frees;
+            tick(i);
             continue;
           }
           return absl::InvalidArgumentError(absl::StrFormat(
@@ -318,6 +340,7 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
         if (sim_costs) {
           sim_free.push_back(SimDriver::thread_simulated_time_ns() - s0);
         }
+        if (log_calls) call_log_.push_back(CallKey(i, true, st.ok()));
         if (!st.ok()) {
           return absl::InternalError(
               absl::StrCat("event ", i, ": Deallocate failed: ", st.message()));
@@ -334,10 +357,7 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
       } else {
         ++result_.skipped_events;
       }
-      if (i % sample_every == 0) Sample(i, live_bytes);
-      if (config_.progress && (i + 1) % progress_every == 0) {
-        config_.progress(i + 1, n);
-      }
+      tick(i);
     }
     if (pass + 1 < passes && !result_.stopped_at_oom) {
       // What the trace leaves live goes before the next pass, in address
@@ -475,24 +495,38 @@ LatencyStats ComputeLatencyStats(std::vector<std::int64_t>& samples) {
 namespace {
 
 // Folds one run's samples into the per-call minima `into` (empty: the first
-// run's samples).
-absl::Status FoldMinima(absl::string_view what, int run,
-                        const std::vector<std::int64_t>& samples,
-                        std::vector<std::int64_t>* into) {
+// run's samples). REQUIRES: the run logged the first run's calls.
+void FoldMinima(int run, const std::vector<std::int64_t>& samples,
+                std::vector<std::int64_t>* into) {
   if (run == 0) {
     *into = samples;
-    return absl::OkStatus();
-  }
-  if (samples.size() != into->size()) {
-    return absl::InternalError(absl::StrFormat(
-        "replay run %d made %d %s calls, the first run %d: the runs did not "
-        "replay the same way",
-        run + 1, samples.size(), what, into->size()));
+    return;
   }
   for (std::size_t i = 0; i < samples.size(); ++i) {
     (*into)[i] = std::min((*into)[i], samples[i]);
   }
-  return absl::OkStatus();
+}
+
+// OK when run `run` made the first run's calls (ReplayRun::call_log), with
+// the same outcomes; else where the two part.
+absl::Status SameCalls(int run, const std::vector<std::uint64_t>& log,
+                       const std::vector<std::uint64_t>& first) {
+  const std::size_t common = std::min(log.size(), first.size());
+  const std::size_t k = static_cast<std::size_t>(
+      std::mismatch(log.begin(), log.begin() + common, first.begin()).first -
+      log.begin());
+  if (k == log.size() && k == first.size()) return absl::OkStatus();
+  auto describe = [](const std::vector<std::uint64_t>& calls, std::size_t k) {
+    if (k >= calls.size()) return std::string("no call");
+    const std::uint64_t c = calls[k];
+    return absl::StrFormat("%s at event %d %s",
+                           (c & 2) != 0 ? "Deallocate" : "Allocate", c >> 2,
+                           (c & 1) != 0 ? "succeeded" : "failed");
+  };
+  return absl::InternalError(absl::StrFormat(
+      "replay run %d parts from the first at timed call %d: %s, where the "
+      "first run made %s; the runs did not replay the same way",
+      run + 1, k + 1, describe(log, k), describe(first, k)));
 }
 
 // config.repeats runs, each on the driver `next_driver` gives (device
@@ -506,15 +540,21 @@ absl::StatusOr<ReplayResult> RepeatedReplay(
   }
   std::optional<ReplayResult> first;
   std::vector<std::int64_t> alloc_min, free_min;
+  std::vector<std::uint64_t> first_calls;
   for (int k = 0; k < config.repeats; ++k) {
     CTXPOOL_ASSIGN_OR_RETURN(Driver * driver, next_driver());
     ReplayRun run(trace, *driver, device, config);
     CTXPOOL_ASSIGN_OR_RETURN(ReplayResult r, run.Run());
     if (config.repeats > 1 && config.wall_latency) {
-      CTXPOOL_RETURN_IF_ERROR(
-          FoldMinima("Allocate", k, run.wall_alloc_samples(), &alloc_min));
-      CTXPOOL_RETURN_IF_ERROR(
-          FoldMinima("Deallocate", k, run.wall_free_samples(), &free_min));
+      // Each call's minimum is over the same call: same event, same kind,
+      // same outcome in every run.
+      if (k == 0) {
+        first_calls = run.call_log();
+      } else {
+        CTXPOOL_RETURN_IF_ERROR(SameCalls(k, run.call_log(), first_calls));
+      }
+      FoldMinima(k, run.wall_alloc_samples(), &alloc_min);
+      FoldMinima(k, run.wall_free_samples(), &free_min);
     }
     if (k == 0) first = std::move(r);
   }

@@ -217,9 +217,10 @@ absl::StatusOr<ReplayResult> Replay(const Trace& trace,
 
 // Replays on `driver` (e.g. a CudaDriver on a real GPU), device `device`.
 // config.device / capacity_bytes are ignored; cost_model applies only when
-// `driver` is a SimDriver. INVALID_ARGUMENT for repeats < 1; INTERNAL when
-// the runs of a repeated replay make different numbers of calls (the
-// driver did not behave the same way twice). REQUIRES: the driver outlives
+// `driver` is a SimDriver. INVALID_ARGUMENT for repeats < 1; INTERNAL, naming
+// the call, when a run of a repeated replay parts from the first (another
+// call, or the same call with another outcome: the driver did not behave
+// the same way twice). REQUIRES: the driver outlives
 // the call.
 absl::StatusOr<ReplayResult> ReplayOnDriver(const Trace& trace, Driver& driver,
                                             int device,
