@@ -87,3 +87,17 @@ if(TARGET ctxpool_torch)
       ENVIRONMENT "CTXPOOL_DRIVER=sim:2xa10-24gb")
   endforeach()
 endif()
+
+# host_oom_plugin_test compiles the plugin's source in (not the .so), so
+# that its simulated driver is the test's and the host-memory countdown of
+# tests/heap_counter.h skips the driver's own allocations.
+if(TARGET host_oom_plugin_test AND TARGET ctxpool_torch)
+  target_sources(host_oom_plugin_test PRIVATE
+    ${PROJECT_SOURCE_DIR}/plugins/torch/ctxpool_torch.cc)
+  target_include_directories(host_oom_plugin_test PRIVATE
+    ${PROJECT_SOURCE_DIR}/plugins/torch)
+  target_compile_definitions(host_oom_plugin_test PRIVATE
+    CTXPOOL_PLUGIN_LINKED=1)
+  set_property(TEST host_oom_plugin_test APPEND PROPERTY
+    ENVIRONMENT "CTXPOOL_DRIVER=sim:2xa10-24gb")
+endif()

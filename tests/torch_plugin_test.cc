@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <deque>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <new>
 #include <set>
@@ -572,6 +573,106 @@ TEST_F(TorchPluginTest, CachedMallocAndFreeMakeNoHeapAllocation) {
   EXPECT_EQ(nulls, 0);
   EXPECT_EQ(g_allocations, 0);
   EXPECT_EQ(Stat("num_invalid_frees"), 0);
+}
+
+// Host memory running out inside a C function (std::bad_alloc) must not
+// cross it: an exception cannot pass a C frame (ctypes) and a free runs in
+// PyTorch's noexcept deleters. Every function but ctxpool_malloc reports it
+// as an error; ctxpool_malloc throws std::bad_alloc, as documented. Nothing
+// is lost: the books match after memory returns.
+TEST_F(TorchPluginTest, HostMemoryRunningOutIsAnErrorNotACrash) {
+#ifdef CTXPOOL_TEST_TSAN
+  GTEST_SKIP() << "TSan replaces operator new";
+#endif
+  ASSERT_EQ(api_.set_model("m"), 0);
+  void* p = api_.malloc(4096, 0, nullptr);
+  void* big = api_.malloc(64 << 20, 0, nullptr);
+  ASSERT_NE(p, nullptr);
+  ASSERT_NE(big, nullptr);
+  cudaStream_t ms = api_.model_stream(0, 0);
+  ASSERT_NE(ms, nullptr) << LastError();
+  const std::string path =
+      ::testing::TempDir() + "/ctxpool_host_oom_snapshot.json";
+  const std::string long_name(100, 'x');
+  std::vector<void*> got;  // what calls under the failure returned
+  struct Call {
+    const char* name;
+    std::function<bool()> failed;  // true: the call reported a failure
+    bool may_throw_bad_alloc = false;
+  };
+  const std::vector<Call> calls = {
+      {"ctxpool_memory_stats", [&] { return api_.memory_stats(0) == nullptr; }},
+      {"ctxpool_info", [&] { return api_.info() == nullptr; }},
+      {"ctxpool_get_model", [&] { return api_.get_model() == nullptr; }},
+      {"ctxpool_set_model",
+       [&] { return api_.set_model(long_name.c_str()) != 0; }},
+      {"ctxpool_set_model_budget",
+       [&] { return api_.set_model_budget("n", kGiB) != 0; }},
+      {"ctxpool_model_stream",
+       [&] { return api_.model_stream(0, 1) == nullptr; }},
+      {"ctxpool_snapshot", [&] { return api_.snapshot(path.c_str()) != 0; }},
+      {"ctxpool_write_trace",
+       [&] { return api_.write_trace(path.c_str()) != 0; }},
+      {"ctxpool_empty_cache", [&] { return api_.empty_cache() < 0; }},
+      {"ctxpool_record_stream", [&] { return api_.record_stream(p, ms) != 0; }},
+      {"ctxpool_try_malloc",
+       [&] {
+         void* q = api_.try_malloc(100 << 20, 0, nullptr);
+         if (q != nullptr) got.push_back(q);
+         return q == nullptr;
+       }},
+      {"ctxpool_malloc",
+       [&] {
+         void* q = api_.malloc(100 << 20, 0, nullptr);
+         if (q != nullptr) got.push_back(q);
+         return q == nullptr;
+       },
+       /*may_throw_bad_alloc=*/true},
+      {"ctxpool_free",
+       [&] {
+         api_.free(big, 64 << 20, 0, nullptr);
+         return false;
+       }},
+      {"ctxpool_last_error", [&] { return api_.last_error() == nullptr; }},
+      {"ctxpool_shutdown", [&] { return api_.shutdown(0) != 0; }},
+  };
+  for (const Call& c : calls) {
+    SCOPED_TRACE(c.name);
+    bool failed = false;
+    std::string escaped;
+    g_fail_allocations = true;
+    try {
+      failed = c.failed();
+    } catch (const std::bad_alloc&) {
+      if (!c.may_throw_bad_alloc) escaped = "std::bad_alloc";
+      failed = true;
+    } catch (const std::exception& e) {
+      escaped = e.what();
+    }
+    g_fail_allocations = false;
+    EXPECT_EQ(escaped, "") << "an exception left the C function";
+    const char* err = api_.last_error();
+    ASSERT_NE(err, nullptr);
+    // ctxpool_shutdown refuses the live blocks whatever memory does.
+    if (failed && std::string(c.name) != "ctxpool_shutdown") {
+      EXPECT_NE(std::string(err).find("host memory"), std::string::npos) << err;
+    }
+  }
+  // Memory is back: nothing was lost and everything still works.
+  EXPECT_STREQ(api_.get_model(), "m");
+  for (void* q : got) api_.free(q, 100 << 20, 0, nullptr);
+  const std::string stats = Stats();
+  // The free under the failure either happened or left the block live.
+  const int64_t live = JsonInt(stats, "allocation.all.current");
+  EXPECT_TRUE(live == 1 || live == 2) << stats;
+  if (live == 2) api_.free(big, 64 << 20, 0, nullptr);
+  api_.free(p, 4096, 0, nullptr);
+  EXPECT_EQ(Stat("allocation.all.current"), 0);
+  EXPECT_EQ(Stat("num_invalid_frees"), 0);
+  void* q = api_.malloc(100 << 20, 0, nullptr);
+  ASSERT_NE(q, nullptr);
+  api_.free(q, 100 << 20, 0, nullptr);
+  std::remove(path.c_str());
 }
 
 TEST_F(TorchPluginTest, ForkedChildCreatesItsOwnState) {

@@ -28,17 +28,19 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <memory>
 #include <new>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "absl/base/optimization.h"
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
@@ -92,7 +94,6 @@ __attribute__((
 std::atomic<std::uint64_t> g_state_generation{0};
 // Buffers behind the const char* results (see ctxpool_torch.h).
 thread_local std::string tls_result;
-thread_local std::string tls_model_result;
 
 // Loads the driver the plugin uses; `note` says which and why.
 absl::StatusOr<std::unique_ptr<Driver>> LoadDriver(std::string& note) {
@@ -129,12 +130,8 @@ absl::StatusOr<std::unique_ptr<Driver>> LoadDriver(std::string& note) {
 struct SessionKey {
   int device;
   std::string model;
-  template <typename H>
-  friend H AbslHashValue(H h, const SessionKey& k) {
-    return H::combine(std::move(h), k.device, k.model);
-  }
-  friend bool operator==(const SessionKey& a, const SessionKey& b) {
-    return a.device == b.device && a.model == b.model;
+  friend bool operator<(const SessionKey& a, const SessionKey& b) {
+    return std::tie(a.device, a.model) < std::tie(b.device, b.model);
   }
 };
 
@@ -209,6 +206,10 @@ class PluginState {
       }
       session = *found;
     }
+    // The trace's model id first: it may take host memory, and a
+    // std::bad_alloc after the Allocate would lose the block.
+    const std::uint32_t model_id =
+        ABSL_PREDICT_FALSE(recorder_.enabled()) ? ModelId(*session) : 0;
     absl::StatusOr<DevicePtr> p = session->Allocate(size, stream);
     if (ABSL_PREDICT_FALSE(!p.ok())) {
       *error = MallocFailed(*session, size, stream, p.status());
@@ -216,7 +217,7 @@ class PluginState {
     }
     if (ABSL_PREDICT_FALSE(recorder_.enabled())) {
       recorder_.Record(TraceOp::kAlloc, p->address(), size, stream.value(),
-                       ModelId(*session));
+                       model_id);
     }
     return p->get();
   }
@@ -310,7 +311,11 @@ class PluginState {
                          "; set its budget before its first allocation"));
       }
     }
-    budgets_[std::string(model)] = max_bytes;
+    if (auto it = budgets_.find(model); it != budgets_.end()) {
+      it->second = max_bytes;
+    } else {
+      budgets_.emplace(std::string(model), max_bytes);
+    }
     return absl::OkStatus();
   }
 
@@ -522,9 +527,12 @@ class PluginState {
 
   std::uint32_t ModelIdLocked(absl::string_view model)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto [it, inserted] = model_ids_.try_emplace(
-        std::string(model), static_cast<std::uint32_t>(model_ids_.size() + 1));
-    return it->second;
+    if (auto it = model_ids_.find(model); it != model_ids_.end()) {
+      return it->second;
+    }
+    const auto id = static_cast<std::uint32_t>(model_ids_.size() + 1);
+    model_ids_.emplace(std::string(model), id);
+    return id;
   }
 
   // The opened DeviceContexts. They live as long as the state.
@@ -549,10 +557,13 @@ class PluginState {
   absl::Mutex mu_;
   // By ordinal; null until the device's first allocation.
   std::vector<std::unique_ptr<DeviceContext>> devices_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<SessionKey, std::unique_ptr<ModelSession>> sessions_
+  // Node maps: an insert that runs out of host memory leaves them as they
+  // were (Abseil's flat tables are corrupted by a failed growth), and these
+  // are off the hot path.
+  std::map<SessionKey, std::unique_ptr<ModelSession>> sessions_
       ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, std::size_t> budgets_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, std::uint32_t> model_ids_
+  std::map<std::string, std::size_t, std::less<>> budgets_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::uint32_t, std::less<>> model_ids_
       ABSL_GUARDED_BY(mu_);
   // Frees no device allocator saw (a device never opened, or the wrong
   // device); the allocators count the rest.
@@ -684,11 +695,30 @@ Globals& GetGlobals() {
   return *g_globals.load(std::memory_order_acquire);
 }
 
+// The last failure when it was host memory running out (std::bad_alloc) in
+// a C function: a literal, so noting it needs no memory. A later SetError
+// replaces it.
+std::atomic<const char*> g_host_oom{nullptr};
+
 void SetError(const absl::Status& status) {
   Globals& g = GetGlobals();
   absl::MutexLock lock(&g.mu);
   g.last_error = std::string(status.message());
   if (g.last_error.empty()) g.last_error = status.ToString();
+  g_host_oom.store(nullptr, std::memory_order_release);
+}
+
+// Runs the body of a C function: a std::bad_alloc (host memory ran out)
+// becomes `failed`, with `text` as the last error. No exception crosses
+// a C frame (a ctypes caller) or a noexcept one (PyTorch's deleters).
+template <typename R, typename F>
+R NoHostOomEscapes(const char* text, R failed, F&& body) noexcept {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    g_host_oom.store(text, std::memory_order_release);
+    return failed;
+  }
 }
 
 // The state when it exists (the hot paths' two loads), else null.
@@ -859,180 +889,240 @@ using namespace ctxpool::torch_plugin;  // NOLINT: the C ABI below
 extern "C" {
 
 void* ctxpool_try_malloc(size_t size, int device, cudaStream_t stream) {
-  return MallocEntry</*kThrow=*/false>(size, device, stream);
+  return NoHostOomEscapes(
+      "ctxpool_try_malloc: host memory ran out; nothing was allocated",
+      static_cast<void*>(nullptr),
+      [&] { return MallocEntry</*kThrow=*/false>(size, device, stream); });
 }
 
 void* ctxpool_malloc(size_t size, int device, cudaStream_t stream) {
-  return MallocEntry</*kThrow=*/true>(size, device, stream);
+  try {
+    return MallocEntry</*kThrow=*/true>(size, device, stream);
+  } catch (const OutOfMemory&) {
+    throw;  // the device or the model's budget: its report is the error
+  } catch (const std::bad_alloc&) {
+    g_host_oom.store(
+        "ctxpool_malloc: host memory ran out; nothing was allocated",
+        std::memory_order_release);
+    throw;
+  }
 }
 
 void ctxpool_free(void* ptr, size_t size, int device, cudaStream_t stream) {
   if (ptr == nullptr) return;
-  FreeEntry(ptr, size, device, stream);
+  NoHostOomEscapes(
+      "ctxpool_free: host memory ran out; the block may still be live", 0, [&] {
+        FreeEntry(ptr, size, device, stream);
+        return 0;
+      });
 }
 
 int64_t ctxpool_empty_cache(void) {
-  absl::StatusOr<PluginState*> s = GetState();
-  if (!s.ok()) {
-    SetError(s.status());
-    return -1;
-  }
-  absl::StatusOr<std::int64_t> freed = (*s)->EmptyCache();
-  if (!freed.ok()) {
-    SetError(freed.status());
-    return -1;
-  }
-  return *freed;
+  return NoHostOomEscapes("ctxpool_empty_cache: host memory ran out",
+                          std::int64_t{-1}, [&]() -> std::int64_t {
+                            absl::StatusOr<PluginState*> s = GetState();
+                            if (!s.ok()) {
+                              SetError(s.status());
+                              return -1;
+                            }
+                            absl::StatusOr<std::int64_t> freed =
+                                (*s)->EmptyCache();
+                            if (!freed.ok()) {
+                              SetError(freed.status());
+                              return -1;
+                            }
+                            return *freed;
+                          });
 }
 
 const char* ctxpool_memory_stats(int device) {
-  absl::StatusOr<PluginState*> s = GetState();
-  if (!s.ok()) {
-    SetError(s.status());
-    return nullptr;
-  }
-  absl::StatusOr<std::string> json = (*s)->MemoryStats(device);
-  if (!json.ok()) {
-    SetError(json.status());
-    return nullptr;
-  }
-  return Result(*std::move(json));
+  return NoHostOomEscapes(
+      "ctxpool_memory_stats: host memory ran out",
+      static_cast<const char*>(nullptr), [&]() -> const char* {
+        absl::StatusOr<PluginState*> s = GetState();
+        if (!s.ok()) {
+          SetError(s.status());
+          return nullptr;
+        }
+        absl::StatusOr<std::string> json = (*s)->MemoryStats(device);
+        if (!json.ok()) {
+          SetError(json.status());
+          return nullptr;
+        }
+        return Result(*std::move(json));
+      });
 }
 
 int ctxpool_record_stream(void* ptr, cudaStream_t stream) {
-  absl::StatusOr<PluginState*> s = GetState();
-  if (!s.ok()) {
-    SetError(s.status());
-    return -1;
-  }
-  absl::Status st = (*s)->RecordStream(ptr, StreamHandle::From(stream));
-  if (!st.ok()) {
-    SetError(st);
-    return -1;
-  }
-  return 0;
+  return NoHostOomEscapes(
+      "ctxpool_record_stream: host memory ran out", -1, [&] {
+        absl::StatusOr<PluginState*> s = GetState();
+        if (!s.ok()) {
+          SetError(s.status());
+          return -1;
+        }
+        absl::Status st = (*s)->RecordStream(ptr, StreamHandle::From(stream));
+        if (!st.ok()) {
+          SetError(st);
+          return -1;
+        }
+        return 0;
+      });
 }
 
 int ctxpool_set_model(const char* name) {
-  tls_sessions.generation = 0;  // the cached sessions are the old model's
-  if (name == nullptr || name[0] == '\0' || kDefaultModel == name) {
-    tls_model.clear();
-    return 0;
-  }
-  const std::size_t n = std::strlen(name);
-  if (n > kMaxModelName) {
-    SetError(absl::InvalidArgumentError(
-        absl::StrCat("ctxpool_set_model: the name is ", n, " bytes; at most ",
-                     kMaxModelName)));
-    return -1;
-  }
-  tls_model.assign(name, n);
-  return 0;
+  return NoHostOomEscapes(
+      "ctxpool_set_model: host memory ran out; the model is unchanged", -1,
+      [&] {
+        tls_sessions.generation = 0;  // the cached sessions are the old model's
+        if (name == nullptr || name[0] == '\0' || kDefaultModel == name) {
+          tls_model.clear();
+          return 0;
+        }
+        const std::size_t n = std::strlen(name);
+        if (n > kMaxModelName) {
+          SetError(absl::InvalidArgumentError(
+              absl::StrCat("ctxpool_set_model: the name is ", n,
+                           " bytes; at most ", kMaxModelName)));
+          return -1;
+        }
+        tls_model.assign(name, n);  // unchanged if it throws
+        return 0;
+      });
 }
 
 const char* ctxpool_get_model(void) {
-  tls_model_result = std::string(CurrentModel());
-  return tls_model_result.c_str();
+  // The thread's own name (valid until its next ctxpool_set_model, which is
+  // the only writer): no copy, so nothing to run out of.
+  return tls_model.empty() ? "default" : tls_model.c_str();
 }
 
 int ctxpool_set_model_budget(const char* name, size_t max_bytes) {
-  absl::StatusOr<PluginState*> s = GetState();
-  if (!s.ok()) {
-    SetError(s.status());
-    return -1;
-  }
-  absl::string_view model =
-      name == nullptr || name[0] == '\0' ? kDefaultModel : name;
-  absl::Status st = (*s)->SetBudget(model, max_bytes);
-  if (!st.ok()) {
-    SetError(st);
-    return -1;
-  }
-  return 0;
+  return NoHostOomEscapes(
+      "ctxpool_set_model_budget: host memory ran out", -1, [&] {
+        absl::StatusOr<PluginState*> s = GetState();
+        if (!s.ok()) {
+          SetError(s.status());
+          return -1;
+        }
+        absl::string_view model =
+            name == nullptr || name[0] == '\0' ? kDefaultModel : name;
+        absl::Status st = (*s)->SetBudget(model, max_bytes);
+        if (!st.ok()) {
+          SetError(st);
+          return -1;
+        }
+        return 0;
+      });
 }
 
 cudaStream_t ctxpool_model_stream(int device, int i) {
-  absl::StatusOr<PluginState*> s = GetState();
-  if (!s.ok()) {
-    SetError(s.status());
-    return nullptr;
-  }
-  absl::StatusOr<StreamHandle> h = (*s)->ModelStream(device, CurrentModel(), i);
-  if (!h.ok()) {
-    SetError(h.status());
-    return nullptr;
-  }
-  return h->as<cudaStream_t>();
+  return NoHostOomEscapes("ctxpool_model_stream: host memory ran out",
+                          static_cast<cudaStream_t>(nullptr),
+                          [&]() -> cudaStream_t {
+                            absl::StatusOr<PluginState*> s = GetState();
+                            if (!s.ok()) {
+                              SetError(s.status());
+                              return nullptr;
+                            }
+                            absl::StatusOr<StreamHandle> h =
+                                (*s)->ModelStream(device, CurrentModel(), i);
+                            if (!h.ok()) {
+                              SetError(h.status());
+                              return nullptr;
+                            }
+                            return h->as<cudaStream_t>();
+                          });
 }
 
 int ctxpool_snapshot(const char* path) {
-  if (path == nullptr) {
-    SetError(absl::InvalidArgumentError("ctxpool_snapshot: null path"));
-    return -1;
-  }
-  absl::StatusOr<PluginState*> s = GetState();
-  if (!s.ok()) {
-    SetError(s.status());
-    return -1;
-  }
-  absl::Status st = ctxpool::WriteFile(path, (*s)->SnapshotJson());
-  if (!st.ok()) {
-    SetError(st);
-    return -1;
-  }
-  return 0;
+  return NoHostOomEscapes("ctxpool_snapshot: host memory ran out", -1, [&] {
+    if (path == nullptr) {
+      SetError(absl::InvalidArgumentError("ctxpool_snapshot: null path"));
+      return -1;
+    }
+    absl::StatusOr<PluginState*> s = GetState();
+    if (!s.ok()) {
+      SetError(s.status());
+      return -1;
+    }
+    absl::Status st = ctxpool::WriteFile(path, (*s)->SnapshotJson());
+    if (!st.ok()) {
+      SetError(st);
+      return -1;
+    }
+    return 0;
+  });
 }
 
 int ctxpool_write_trace(const char* path) {
-  if (path == nullptr) {
-    SetError(absl::InvalidArgumentError("ctxpool_write_trace: null path"));
-    return -1;
-  }
-  absl::StatusOr<PluginState*> s = GetState();
-  if (!s.ok()) {
-    SetError(s.status());
-    return -1;
-  }
-  absl::Status st = (*s)->WriteTrace(path);
-  if (!st.ok()) {
-    SetError(st);
-    return -1;
-  }
-  return 0;
+  return NoHostOomEscapes("ctxpool_write_trace: host memory ran out", -1, [&] {
+    if (path == nullptr) {
+      SetError(absl::InvalidArgumentError("ctxpool_write_trace: null path"));
+      return -1;
+    }
+    absl::StatusOr<PluginState*> s = GetState();
+    if (!s.ok()) {
+      SetError(s.status());
+      return -1;
+    }
+    absl::Status st = (*s)->WriteTrace(path);
+    if (!st.ok()) {
+      SetError(st);
+      return -1;
+    }
+    return 0;
+  });
 }
 
 const char* ctxpool_last_error(void) {
-  Globals& g = GetGlobals();
-  std::string copy;
-  {
-    absl::MutexLock lock(&g.mu);
-    copy = g.last_error;
+  if (const char* oom = g_host_oom.load(std::memory_order_acquire)) {
+    return oom;
   }
-  return Result(std::move(copy));
+  return NoHostOomEscapes("ctxpool_last_error: host memory ran out",
+                          "ctxpool_last_error: host "
+                          "memory ran out while copying the last error",
+                          [&] {
+                            Globals& g = GetGlobals();
+                            std::string copy;
+                            {
+                              absl::MutexLock lock(&g.mu);
+                              copy = g.last_error;
+                            }
+                            return Result(std::move(copy));
+                          });
 }
 
 const char* ctxpool_info(void) {
-  absl::StatusOr<PluginState*> s = GetState();
-  if (!s.ok()) {
-    SetError(s.status());
-    return nullptr;
-  }
-  return Result((*s)->Info());
+  return NoHostOomEscapes("ctxpool_info: host memory ran out",
+                          static_cast<const char*>(nullptr),
+                          [&]() -> const char* {
+                            absl::StatusOr<PluginState*> s = GetState();
+                            if (!s.ok()) {
+                              SetError(s.status());
+                              return nullptr;
+                            }
+                            return Result((*s)->Info());
+                          });
 }
 
 int ctxpool_shutdown(int force) {
-  Globals& g = GetGlobals();
-  absl::MutexLock lock(&g.mu);
-  PluginState* s = g.state.load(std::memory_order_relaxed);
-  if (s == nullptr) return 0;
-  absl::Status st = s->PrepareShutdown(force != 0);
-  if (!st.ok()) {
-    g.last_error = std::string(st.message());
-    return -1;
-  }
-  g.state.store(nullptr, std::memory_order_release);
-  delete s;
-  return 0;
+  return NoHostOomEscapes(
+      "ctxpool_shutdown: host memory ran out; the state is kept", -1, [&] {
+        Globals& g = GetGlobals();
+        absl::MutexLock lock(&g.mu);
+        PluginState* s = g.state.load(std::memory_order_relaxed);
+        if (s == nullptr) return 0;
+        absl::Status st = s->PrepareShutdown(force != 0);
+        if (!st.ok()) {
+          g.last_error = std::string(st.message());
+          g_host_oom.store(nullptr, std::memory_order_release);
+          return -1;
+        }
+        g.state.store(nullptr, std::memory_order_release);
+        delete s;
+        return 0;
+      });
 }
 
 }  // extern "C"

@@ -47,7 +47,11 @@
 // Errors: no function crashes on bad input, and only ctxpool_malloc throws.
 // Functions returning int return 0 on success and -1 on failure; a failed
 // ctxpool_try_malloc returns NULL. The text of the last failure in the
-// process (any thread) is ctxpool_last_error().
+// process (any thread) is ctxpool_last_error(). Host memory running out
+// inside a function (std::bad_alloc) is such a failure too, never an
+// exception out of it: the function fails as above (ctxpool_malloc throws
+// the std::bad_alloc; ctxpool_free may leave the block live) and
+// ctxpool_last_error() names it, with nothing lost or half-done.
 //
 // Out of memory: PyTorch's CUDAPluggableAllocator does not check the
 // allocator's result for NULL (it wraps it in a DataPtr as is), so a NULL
@@ -142,7 +146,8 @@ CTXPOOL_TORCH_API int ctxpool_record_stream(void* ptr, cudaStream_t stream);
 
 // Sets the calling thread's current model: its following allocations are
 // charged to model `name`'s session (and budget) on their device. NULL or ""
-// selects "default". Returns -1 only for a name longer than 255 bytes.
+// selects "default". Returns -1 for a name longer than 255 bytes, or when
+// host memory ran out (the model is then unchanged).
 CTXPOOL_TORCH_API int ctxpool_set_model(const char* name);
 // The calling thread's current model name ("default" when none was set).
 // The pointer stays valid until the thread's next ctxpool_set_model.

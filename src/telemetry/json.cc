@@ -1,18 +1,23 @@
 #include "ctxpool/telemetry/json.h"
 
+#include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "ctxpool/alloc/device_allocator.h"
+#include "ctxpool/core/internal/format.h"
 
 namespace ctxpool {
 namespace {
 
 constexpr int kAgg = static_cast<int>(StatPool::kAggregate);
 
-std::string Hex(std::uint64_t v) { return absl::StrFormat("\"0x%x\"", v); }
+std::string Hex(std::uint64_t v) {
+  return core_internal::Format("\"0x%x\"", v);
+}
 
 absl::string_view StateName(BlockState s) {
   switch (s) {
@@ -41,11 +46,16 @@ void AppendDevice(std::string& out, const DeviceContext& dc) {
          std::vector<StreamHandle>(s.streams().begin(), s.streams().end()),
          s.Stats(), s.LiveAllocations()});
   });
-  absl::flat_hash_map<StreamHandle, const std::string*> stream_owner;
-  absl::flat_hash_map<DevicePtr, const std::string*> block_owner;
+  // Node maps: an insert that runs out of host memory leaves them whole
+  // (a flat table's failed growth corrupts it, and its destructor then
+  // frees a bad pointer).
+  std::map<std::uint64_t, const std::string*> stream_owner;  // by handle
+  std::map<std::uint64_t, const std::string*> block_owner;   // by address
   for (const ModelSample& m : models) {
-    for (StreamHandle s : m.streams) stream_owner[s] = &m.name;
-    for (const LiveAllocation& a : m.live) block_owner[a.ptr] = &m.name;
+    for (StreamHandle s : m.streams) stream_owner[s.value()] = &m.name;
+    for (const LiveAllocation& a : m.live) {
+      block_owner[a.ptr.address()] = &m.name;
+    }
   }
   const DeviceAllocatorStats stats = dc.device_allocator().Stats();
   const FragmentationStats frag = dc.device_allocator().Fragmentation();
@@ -62,7 +72,7 @@ void AppendDevice(std::string& out, const DeviceContext& dc) {
       ",\"cached_bytes\":",
       t.reserved_bytes[kAgg].current - t.allocated_bytes[kAgg].current,
       ",\"peak_bytes\":", t.allocated_bytes[kAgg].peak,
-      ",\"fragmentation\":", absl::StrFormat("%.6g", frag.external),
+      ",\"fragmentation\":", core_internal::Format("%.6g", frag.external),
       "},\"models\":[");
   for (std::size_t i = 0; i < models.size(); ++i) {
     const ModelSample& m = models[i];
@@ -85,7 +95,7 @@ void AppendDevice(std::string& out, const DeviceContext& dc) {
   absl::StrAppend(&out, "],\"segments\":[");
   for (std::size_t i = 0; i < snap.segments.size(); ++i) {
     const SegmentInfo& seg = snap.segments[i];
-    auto owner = stream_owner.find(seg.stream);
+    auto owner = stream_owner.find(seg.stream.value());
     const std::string model =
         owner == stream_owner.end() ? "null" : JsonString(*owner->second);
     absl::StrAppend(&out, i ? "," : "", "{\"base\":", Hex(seg.base.address()),
@@ -95,7 +105,7 @@ void AppendDevice(std::string& out, const DeviceContext& dc) {
                     ",\"model\":", model, ",\"blocks\":[");
     for (std::size_t j = 0; j < seg.blocks.size(); ++j) {
       const BlockInfo& b = seg.blocks[j];
-      auto bo = block_owner.find(b.ptr);
+      auto bo = block_owner.find(b.ptr.address());
       std::string block_model =
           bo != block_owner.end()        ? JsonString(*bo->second)
           : b.state == BlockState::kFree ? std::string("null")

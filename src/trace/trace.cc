@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "ctxpool/core/internal/format.h"
 
 namespace ctxpool {
 
@@ -65,18 +66,18 @@ absl::Status Trace::Validate() const {
     const TraceEvent& e = events_[i];
     if (e.op == TraceOp::kAlloc) {
       if (!live.emplace(e.ptr, e.size).second) {
-        return absl::InvalidArgumentError(absl::StrFormat(
+        return absl::InvalidArgumentError(core_internal::Format(
             "event %d: allocation of pointer 0x%x, which is already live", i,
             e.ptr));
       }
     } else if (e.op == TraceOp::kFree) {
       auto it = live.find(e.ptr);
       if (it == live.end()) {
-        return absl::InvalidArgumentError(absl::StrFormat(
+        return absl::InvalidArgumentError(core_internal::Format(
             "event %d: free of unknown pointer 0x%x", i, e.ptr));
       }
       if (e.size != 0 && e.size != it->second) {
-        return absl::InvalidArgumentError(absl::StrFormat(
+        return absl::InvalidArgumentError(core_internal::Format(
             "event %d: free of 0x%x with size %d, allocated with size %d", i,
             e.ptr, e.size, it->second));
       }
@@ -179,7 +180,7 @@ std::string FormatBytes(std::uint64_t bytes) {
     v /= 1024;
     ++u;
   }
-  return absl::StrFormat("%.2f %s", v, kNames[u]);
+  return core_internal::Format("%.2f %s", v, kNames[u]);
 }
 
 }  // namespace ctxpool

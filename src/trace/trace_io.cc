@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "ctxpool/core/internal/format.h"
 #include "ctxpool/status.h"
 
 namespace ctxpool {
@@ -83,8 +84,9 @@ bool ParseClockTime(absl::string_view s, std::int64_t* ns) {
 std::string FormatClockTime(std::int64_t ns) {
   if (ns < 0) ns = 0;
   const std::int64_t total_s = ns / 1'000'000'000;
-  return absl::StrFormat("%02d:%02d:%02d.%09d", total_s / 3600,
-                         (total_s / 60) % 60, total_s % 60, ns % 1'000'000'000);
+  return core_internal::Format("%02d:%02d:%02d.%09d", total_s / 3600,
+                               (total_s / 60) % 60, total_s % 60,
+                               ns % 1'000'000'000);
 }
 
 // ---- Validation with line numbers ----------------------------------------
@@ -103,24 +105,24 @@ class Builder {
     if (e.op == TraceOp::kAlloc) {
       if (policy_ == UnknownFreePolicy::kSynthesizeAlloc) ever_.insert(e.ptr);
       if (!live_.emplace(e.ptr, e.size).second) {
-        return Error(
-            line, absl::StrFormat("allocation of pointer 0x%x, which is live",
-                                  e.ptr));
+        return Error(line,
+                     core_internal::Format(
+                         "allocation of pointer 0x%x, which is live", e.ptr));
       }
     } else if (e.op == TraceOp::kFree) {
       auto it = live_.find(e.ptr);
       if (it == live_.end()) {
         switch (policy_) {
           case UnknownFreePolicy::kError:
-            return Error(
-                line, absl::StrFormat("free of unknown pointer 0x%x", e.ptr));
+            return Error(line, core_internal::Format(
+                                   "free of unknown pointer 0x%x", e.ptr));
           case UnknownFreePolicy::kIgnore:
             return absl::OkStatus();
           case UnknownFreePolicy::kSynthesizeAlloc: {
             // Only a pointer never seen before can have been live since
             // before the trace started; anything else is a double free.
             if (!synthesized_.insert(e.ptr).second || ever_.contains(e.ptr)) {
-              return Error(line, absl::StrFormat(
+              return Error(line, core_internal::Format(
                                      "free of pointer 0x%x, which is not live "
                                      "(double free)",
                                      e.ptr));
@@ -135,10 +137,10 @@ class Builder {
         return absl::OkStatus();
       }
       if (e.size != 0 && e.size != it->second) {
-        return Error(line,
-                     absl::StrFormat("free of 0x%x with size %d, allocated "
-                                     "with size %d",
-                                     e.ptr, e.size, it->second));
+        return Error(
+            line, core_internal::Format("free of 0x%x with size %d, allocated "
+                                        "with size %d",
+                                        e.ptr, e.size, it->second));
       }
       live_.erase(it);
     }
@@ -230,8 +232,9 @@ absl::StatusOr<Trace> ParseCsv(absl::string_view text, absl::string_view name,
       continue;
     }
     if (fields.size() != num_fields) {
-      return b.Error(line_no, absl::StrFormat("expected %d fields, found %d",
-                                              num_fields, fields.size()));
+      return b.Error(line_no,
+                     core_internal::Format("expected %d fields, found %d",
+                                           num_fields, fields.size()));
     }
     TraceEvent e;
     const absl::string_view action = fields[col[kAction]];
@@ -301,8 +304,8 @@ class JsonScanner {
   }
   absl::Status Expect(char c) {
     if (Peek() != c) {
-      return b_.Error(
-          line_, absl::StrFormat("JSON: expected '%c', found %s", c, Found()));
+      return b_.Error(line_, core_internal::Format(
+                                 "JSON: expected '%c', found %s", c, Found()));
     }
     ++pos_;
     return absl::OkStatus();
@@ -606,9 +609,9 @@ std::string WriteTraceCsv(const Trace& trace, const TraceCsvOptions& options) {
         e.op != TraceOp::kFree && e.op != TraceOp::kOom) {
       continue;
     }
-    absl::StrAppendFormat(&out, "%d,%s,%s,0x%x,%d,0x%x", e.thread,
-                          FormatClockTime(e.time_ns), TraceOpName(e.op), e.ptr,
-                          e.size, e.stream);
+    core_internal::AppendFormat(&out, "%d,%s,%s,0x%x,%d,0x%x", e.thread,
+                                FormatClockTime(e.time_ns), TraceOpName(e.op),
+                                e.ptr, e.size, e.stream);
     if (!options.rmm_compatible) absl::StrAppend(&out, ",", e.tenant);
     out.push_back('\n');
   }
@@ -626,7 +629,7 @@ std::string WriteTraceJson(const Trace& trace) {
       "\",\n \"events\": [");
   bool first = true;
   for (const TraceEvent& e : trace.events()) {
-    absl::StrAppendFormat(
+    core_internal::AppendFormat(
         &out,
         "%s\n  {\"time_ns\": %d, \"op\": \"%s\", \"ptr\": %d, \"size\": %d, "
         "\"stream\": %d, \"tenant\": %d, \"thread\": %d}",
