@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <new>
+#include <type_traits>
 #include <utility>
 
 namespace ctxpool {
@@ -38,7 +39,8 @@ bool TableHasRoom(const Table& t, std::size_t n) {
 }
 
 // Grows `t` so that TableHasRoom(t, n). Throws std::bad_alloc, with `t` as
-// it was, when the host cannot supply the new table.
+// it was and nothing leaked, when the host cannot supply the new table or
+// a copy of an element (elements whose move may throw are copied).
 template <typename Table>
 void MakeRoom(Table& t, std::size_t n) {
   if (TableHasRoom(t, n)) return;
@@ -56,7 +58,23 @@ void MakeRoom(Table& t, std::size_t n) {
     // arrays it never got; it owns nothing.
     throw;
   }
-  for (auto& v : t) fresh->insert(std::move(v));
+  // Elements whose move cannot throw move over. Others (a const std::string
+  // key is copied even when "moved") are copied, so that when a copy
+  // throws, `t` still holds every element and the fresh table, whole since
+  // its reserve, is destroyed with the copies it made.
+  using Value = typename Table::value_type;
+  try {
+    for (auto& v : t) {
+      if constexpr (std::is_nothrow_move_constructible_v<Value>) {
+        fresh->insert(std::move(v));
+      } else {
+        fresh->insert(static_cast<const Value&>(v));
+      }
+    }
+  } catch (...) {
+    fresh->~Table();
+    throw;
+  }
   t.swap(*fresh);
   fresh->~Table();
 }
