@@ -59,7 +59,9 @@ class HostOomPlugin : public ::testing::Test {
 
   // Sweeps `c`: a fresh state with block p_ of model "m" live on device 0,
   // then c.run() with host allocation k failing, then the checks.
-  void Sweep(const Call& c) {
+  // countdown_in_run: c.run() arms the countdown itself, with shutdown_k_
+  // (after its own setup).
+  void Sweep(const Call& c, bool countdown_in_run = false) {
     int k = 0;
     for (; k < 5000; ++k) {
       SCOPED_TRACE(::testing::Message()
@@ -70,7 +72,10 @@ class HostOomPlugin : public ::testing::Test {
       ASSERT_NE(p_, nullptr);
       got_.clear();
       got_.reserve(4);  // the test's own bookkeeping must not allocate
-      g_fail_after = k;
+      if (setup_) setup_();
+      ASSERT_FALSE(HasFailure());
+      shutdown_k_ = k;
+      g_fail_after = countdown_in_run ? -1 : k;
       std::string escaped;
       try {
         c.run();
@@ -106,6 +111,8 @@ class HostOomPlugin : public ::testing::Test {
   }
 
   void* p_ = nullptr;
+  int shutdown_k_ = -1;
+  std::function<void()> setup_;  // more set-up, after p_, in each round
   struct Got {
     void* ptr;
     std::size_t size;
@@ -162,6 +169,73 @@ TEST_F(HostOomPlugin, BudgetsStreamsAndReports) {
     Sweep(c);
   }
   std::remove(path.c_str());
+}
+
+TEST_F(HostOomPlugin, Shutdown) {
+  // Forced, with blocks live on both devices in two models: the device
+  // allocators' destructors run with host memory out.
+  Sweep({"ctxpool_shutdown(1) with live blocks",
+         [&] {
+           ctxpool_set_model("second-model-with-a-long-enough-name");
+           void* a = ctxpool_try_malloc(300 << 20, 1, nullptr);
+           void* b = ctxpool_try_malloc(4096, 0, nullptr);
+           ASSERT_NE(a, nullptr);
+           ASSERT_NE(b, nullptr);
+           ctxpool_set_model(nullptr);
+           g_fail_after = shutdown_k_;
+           if (ctxpool_shutdown(1) != 0) {  // refused: all still live
+             g_fail_after = -1;
+             got_.push_back({a, 300 << 20, 1});
+             got_.push_back({b, 4096, 0});
+           }
+         }},
+        /*countdown_in_run=*/true);
+  // Plain, with everything freed.
+  Sweep({"ctxpool_shutdown(0) after frees",
+         [&] {
+           ctxpool_free(p_, 4096, 0, nullptr);
+           g_fail_after = shutdown_k_;
+           (void)ctxpool_shutdown(0);
+         }},
+        /*countdown_in_run=*/true);
+}
+
+// Names with control characters are escaped in the stats and the snapshot
+// (\u00XX); that too must survive host memory running out.
+TEST_F(HostOomPlugin, ReportsOfAModelWithControlCharacters) {
+  const std::string path = ::testing::TempDir() + "/ctxpool_host_oom_ctl";
+  for (const Call& c : std::vector<Call>{
+           {"ctxpool_memory_stats", [] { (void)ctxpool_memory_stats(0); }},
+           {"ctxpool_snapshot", [&] { (void)ctxpool_snapshot(path.c_str()); }},
+       }) {
+    SCOPED_TRACE(c.name);
+    setup_ = [&] {
+      ctxpool_set_model("\x1b[1mresnet50-imagenet\x1b[0m\x01\x02\x03");
+      void* q = ctxpool_malloc(4096, 0, nullptr);
+      ASSERT_NE(q, nullptr);
+      got_.push_back({q, 4096, 0});
+      ctxpool_set_model("m");
+    };
+    Sweep(c);
+    setup_ = nullptr;
+  }
+  const char* stats = ctxpool_memory_stats(0);
+  ASSERT_NE(stats, nullptr);
+  std::remove(path.c_str());
+}
+
+// Reading the last error when host memory is out returns a note and keeps
+// the error: the next read, with memory, gives it again.
+TEST_F(HostOomPlugin, ReadingTheLastErrorKeepsIt) {
+  int on_stack = 0;
+  ctxpool_free(&on_stack, sizeof(on_stack), 0, nullptr);  // refused
+  const std::string before = ctxpool_last_error();
+  ASSERT_NE(before.find("not a live allocation"), std::string::npos) << before;
+  g_fail_allocations = true;
+  const char* during = ctxpool_last_error();
+  g_fail_allocations = false;
+  ASSERT_NE(during, nullptr);
+  EXPECT_EQ(std::string(ctxpool_last_error()), before);
 }
 
 // With the trace recorder on (CTXPOOL_TRACE=1, read once per process, so

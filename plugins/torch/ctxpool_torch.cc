@@ -1079,18 +1079,19 @@ const char* ctxpool_last_error(void) {
   if (const char* oom = g_host_oom.load(std::memory_order_acquire)) {
     return oom;
   }
-  return NoHostOomEscapes("ctxpool_last_error: host memory ran out",
-                          "ctxpool_last_error: host "
-                          "memory ran out while copying the last error",
-                          [&] {
-                            Globals& g = GetGlobals();
-                            std::string copy;
-                            {
-                              absl::MutexLock lock(&g.mu);
-                              copy = g.last_error;
-                            }
-                            return Result(std::move(copy));
-                          });
+  // Reading the error must not replace it: no note on failure here.
+  try {
+    Globals& g = GetGlobals();
+    std::string copy;
+    {
+      absl::MutexLock lock(&g.mu);
+      copy = g.last_error;
+    }
+    return Result(std::move(copy));
+  } catch (const std::bad_alloc&) {
+    return "ctxpool_last_error: host memory ran out while copying the last "
+           "error";
+  }
 }
 
 const char* ctxpool_info(void) {

@@ -127,7 +127,9 @@ CTXPOOL_TORCH_API void ctxpool_free(void* ptr, size_t size, int device,
 
 // Gives every device's cached memory back to the driver (Trim(0)), waiting
 // only for streams whose pending work still uses it. Returns the bytes freed,
-// or -1 on error. Stream order: blocks still in use by a pending stream stay.
+// or -1 on error (some devices' caches may have been given back by then:
+// memory_stats tells). Stream order: blocks still in use by a pending stream
+// stay.
 CTXPOOL_TORCH_API int64_t ctxpool_empty_cache(void);
 
 // Statistics of `device` as JSON, with the key names of

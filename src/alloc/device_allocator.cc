@@ -525,7 +525,14 @@ class CachingDeviceAllocator::Impl {
     // In a forked child the segments, granules, events and context belong to
     // the parent's driver state: touch none of it, leak it.
     if (fork_guard_.InForkedChild()) return;
-    Reset(/*force=*/true).IgnoreError();
+    try {
+      Reset(/*force=*/true).IgnoreError();
+    } catch (const std::bad_alloc&) {
+      // No host memory for Reset's lists (it keeps the books whole and has
+      // dropped some segments): what is left goes back without them.
+      AllShards lock(this);
+      TearDownInPlace();
+    }
     AllShards lock(this);
     {
       ScopedContext ctx(driver_, ctx_);
@@ -542,6 +549,28 @@ class CachingDeviceAllocator::Impl {
       event_pool_.clear();
     }
     if (owns_ctx_) driver_.PrimaryCtxRelease(device_).IgnoreError();
+  }
+
+  // The destructor's way out when Reset finds no host memory: the device
+  // memory of every segment still on the books goes back to the driver
+  // without them (the allocator is going away), and the events of pending
+  // frees go back to the pool (which keeps room for every event). Allocates
+  // nothing.
+  void TearDownInPlace() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ScopedContext ctx(driver_, ctx_);
+    if (!ctx.status().ok()) return;  // the destructor leaks the rest
+    for (const PendingEvent& p : pending_) PutEvent(p.event);
+    pending_.clear();
+    if (expandable_) {
+      vmm_.TearDownInPlace();
+      return;
+    }
+    for (const auto& [base, seg] : segments_) {
+      backing_
+          ->Free(
+              BackedRange{DevicePtr(seg->base), seg->size, seg->backing_handle})
+          .IgnoreError();
+    }
   }
 
   Driver& driver() const { return driver_; }

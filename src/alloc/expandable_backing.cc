@@ -351,6 +351,21 @@ void ExpandableBacking::ReleaseAll() {
   cache_granules_ = 0;
 }
 
+void ExpandableBacking::TearDownInPlace() {
+  for (const auto& [base, r] : ranges_) {
+    for (const auto& [start, piece] : r->pieces) {
+      driver_
+          .MemUnmap(DevicePtr(r->base + start * granule_),
+                    piece.count * granule_)
+          .IgnoreError();
+    }
+    driver_.MemAddressFree(DevicePtr(r->base), r->size).IgnoreError();
+  }
+  ranges_.clear();
+  mapped_granules_ = 0;
+  ReleaseAll();
+}
+
 void ExpandableBacking::LeakAll() {
   counters_.leaked_bytes += cache_bytes();
   phys_.clear();

@@ -305,6 +305,12 @@ class ExpandableBacking {
   void ReleaseAll();
   // At destruction without a context: the cache is leaked.
   void LeakAll();
+  // At destruction, context current, when the allocator has no host memory
+  // to drop its segments through the books: unmaps every mapping of every
+  // range, frees the ranges' addresses and releases every physical
+  // allocation, then forgets them all. Allocates nothing; what the driver
+  // refuses is left to it.
+  void TearDownInPlace();
 
   // I12; `reserved_bytes` is what the allocator books as mapped.
   absl::Status CheckInvariants(std::size_t reserved_bytes) const;

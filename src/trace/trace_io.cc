@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iterator>
 #include <optional>
 #include <sstream>
@@ -642,11 +641,19 @@ std::string WriteTraceJson(const Trace& trace) {
 }
 
 absl::Status WriteFile(const std::string& path, absl::string_view contents) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) return absl::InternalError(absl::StrCat("cannot write ", path));
-  out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
-  out.close();
-  if (!out) return absl::InternalError(absl::StrCat("cannot write ", path));
+  // stdio, not std::ofstream: the stream's buffer comes from operator new
+  // after the file is truncated, so a std::bad_alloc there would leave the
+  // old file empty; stdio allocates nothing through operator new.
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) {
+    return absl::InternalError(absl::StrCat("cannot write ", path));
+  }
+  const bool wrote =
+      std::fwrite(contents.data(), 1, contents.size(), f) == contents.size();
+  const bool closed = std::fclose(f) == 0;
+  if (!wrote || !closed) {
+    return absl::InternalError(absl::StrCat("cannot write ", path));
+  }
   return absl::OkStatus();
 }
 

@@ -12,7 +12,6 @@
 
 #include <string>
 
-#include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 
 namespace ctxpool {
@@ -42,7 +41,13 @@ inline std::string JsonString(absl::string_view value) {
         break;
       default:
         if (static_cast<unsigned char>(c) < 0x20) {
-          absl::StrAppendFormat(&out, "\\u%04x", static_cast<unsigned char>(c));
+          // By hand: absl::StrAppendFormat flushes in a destructor, where a
+          // std::bad_alloc cannot unwind (core/internal/format.h).
+          constexpr char kHex[] = "0123456789abcdef";
+          const auto u = static_cast<unsigned char>(c);
+          const char escape[] = {'\\', 'u',          '0',
+                                 '0',  kHex[u >> 4], kHex[u & 15]};
+          out.append(escape, sizeof(escape));
         } else {
           out.push_back(c);
         }
