@@ -18,6 +18,7 @@
 
 #include "gtest/gtest.h"
 #include "heap_counter.h"
+#include "host_oom_sweep.h"
 #include "torch_plugin_api.h"
 
 #ifdef CTXPOOL_PLUGIN_LINKED
@@ -42,6 +43,7 @@ struct Call {
   const char* name;
   std::function<void()> run;
   bool may_throw = false;  // ctxpool_malloc's documented std::bad_alloc
+  std::function<void()> setup = nullptr;  // more set-up, after p_
 };
 
 class HostOomPlugin : public ::testing::Test {
@@ -57,62 +59,68 @@ class HostOomPlugin : public ::testing::Test {
     EXPECT_EQ(ctxpool_shutdown(/*force=*/1), 0) << ctxpool_last_error();
   }
 
-  // Sweeps `c`: a fresh state with block p_ of model "m" live on device 0,
-  // then c.run() with host allocation k failing, then the checks.
-  // countdown_in_run: c.run() arms the countdown itself, with shutdown_k_
-  // (after its own setup).
-  void Sweep(const Call& c, bool countdown_in_run = false) {
-    int k = 0;
-    for (; k < 5000; ++k) {
-      SCOPED_TRACE(::testing::Message()
-                   << c.name << ": host allocation " << k << " fails");
-      ASSERT_EQ(ctxpool_shutdown(1), 0) << ctxpool_last_error();
-      ASSERT_EQ(ctxpool_set_model("m"), 0);
-      p_ = ctxpool_malloc(4096, 0, nullptr);
-      ASSERT_NE(p_, nullptr);
-      got_.clear();
-      got_.reserve(4);  // the test's own bookkeeping must not allocate
-      if (setup_) setup_();
-      ASSERT_FALSE(HasFailure());
-      shutdown_k_ = k;
-      g_fail_after = countdown_in_run ? -1 : k;
-      std::string escaped;
-      try {
-        c.run();
-      } catch (const std::bad_alloc&) {
-        if (!c.may_throw) escaped = "std::bad_alloc";
-      } catch (const std::exception& e) {
-        escaped = e.what();
-      }
-      const bool fired = g_fail_after == -1;
-      g_fail_after = -1;
-      EXPECT_EQ(escaped, "") << "an exception left the C function";
-      ASSERT_NE(ctxpool_last_error(), nullptr);
-      ctxpool_set_model(nullptr);
-      // With memory back: free what the call returned, and p_ unless the
-      // call freed it.
-      for (const auto& [ptr, size, device] : got_) {
-        ctxpool_free(ptr, size, device, nullptr);
-      }
-      if (JsonInt(Stats(0), "allocation.all.current") == 1) {
-        ctxpool_free(p_, 4096, 0, nullptr);
-      }
-      for (int d = 0; d < 2; ++d) {
-        const std::string st = Stats(d);
-        EXPECT_EQ(JsonInt(st, "allocation.all.current"), 0) << st;
-        EXPECT_EQ(JsonInt(st, "num_invalid_frees"), 0) << st;
-      }
-      // Nothing live and nothing leaked: a plain shutdown succeeds.
-      EXPECT_EQ(ctxpool_shutdown(0), 0) << ctxpool_last_error();
-      if (HasFailure() || !fired) break;
+  // Sweeps `c` (host_oom_sweep.h): a fresh state with block p_ of model "m"
+  // live on device 0, c.setup, then c.run with host allocation k failing,
+  // then the checks.
+  void Sweep(const Call& c) {
+    SCOPED_TRACE(c.name);
+    ctxpool::test::SweepHostAllocations({
+        .fresh =
+            [&] {
+              ASSERT_EQ(ctxpool_shutdown(1), 0) << ctxpool_last_error();
+              ASSERT_EQ(ctxpool_set_model("m"), 0);
+              p_ = ctxpool_malloc(4096, 0, nullptr);
+              ASSERT_NE(p_, nullptr);
+              got_.clear();
+              got_.reserve(4);  // the test's own bookkeeping must not allocate
+              escaped_ = nullptr;
+            },
+        .setup =
+            [&] {
+              if (c.setup) c.setup();
+            },
+        .op =
+            [&] {
+              // Noted, not reported here: the countdown may still be armed.
+              try {
+                c.run();
+              } catch (const std::bad_alloc&) {
+                if (c.may_throw) throw;
+                escaped_ = "std::bad_alloc";
+              } catch (const std::exception&) {
+                escaped_ = "an exception";
+              }
+            },
+        .give_back = [&] { CheckAndFreeAll(); },
+        .in_op = &in_op_,
+    });
+  }
+
+  // With memory back: nothing escaped, the books match what the call
+  // returned, and everything frees.
+  void CheckAndFreeAll() {
+    EXPECT_EQ(escaped_, nullptr) << "an exception left the C function";
+    ASSERT_NE(ctxpool_last_error(), nullptr);
+    ctxpool_set_model(nullptr);
+    // What the call returned, and p_ unless the call freed it.
+    for (const auto& [ptr, size, device] : got_) {
+      ctxpool_free(ptr, size, device, nullptr);
     }
-    EXPECT_LT(k, 5000);
-    std::printf("%s: %d host allocations swept\n", c.name, k);
+    if (JsonInt(Stats(0), "allocation.all.current") == 1) {
+      ctxpool_free(p_, 4096, 0, nullptr);
+    }
+    for (int d = 0; d < 2; ++d) {
+      const std::string st = Stats(d);
+      EXPECT_EQ(JsonInt(st, "allocation.all.current"), 0) << st;
+      EXPECT_EQ(JsonInt(st, "num_invalid_frees"), 0) << st;
+    }
+    // Nothing live and nothing leaked: a plain shutdown succeeds.
+    EXPECT_EQ(ctxpool_shutdown(0), 0) << ctxpool_last_error();
   }
 
   void* p_ = nullptr;
-  int shutdown_k_ = -1;
-  std::function<void()> setup_;  // more set-up, after p_, in each round
+  bool in_op_ = false;
+  const char* escaped_ = nullptr;  // what left the C function, if anything
   struct Got {
     void* ptr;
     std::size_t size;
@@ -174,30 +182,29 @@ TEST_F(HostOomPlugin, BudgetsStreamsAndReports) {
 TEST_F(HostOomPlugin, Shutdown) {
   // Forced, with blocks live on both devices in two models: the device
   // allocators' destructors run with host memory out.
-  Sweep({"ctxpool_shutdown(1) with live blocks",
-         [&] {
-           ctxpool_set_model("second-model-with-a-long-enough-name");
-           void* a = ctxpool_try_malloc(300 << 20, 1, nullptr);
-           void* b = ctxpool_try_malloc(4096, 0, nullptr);
-           ASSERT_NE(a, nullptr);
-           ASSERT_NE(b, nullptr);
-           ctxpool_set_model(nullptr);
-           g_fail_after = shutdown_k_;
-           if (ctxpool_shutdown(1) != 0) {  // refused: all still live
-             g_fail_after = -1;
-             got_.push_back({a, 300 << 20, 1});
-             got_.push_back({b, 4096, 0});
-           }
-         }},
-        /*countdown_in_run=*/true);
+  void* a = nullptr;
+  void* b = nullptr;
+  Sweep({.name = "ctxpool_shutdown(1) with live blocks",
+         .run =
+             [&] {
+               if (ctxpool_shutdown(1) != 0) {  // refused: all still live
+                 got_.push_back({a, 300 << 20, 1});
+                 got_.push_back({b, 4096, 0});
+               }
+             },
+         .setup =
+             [&] {
+               ctxpool_set_model("second-model-with-a-long-enough-name");
+               a = ctxpool_try_malloc(300 << 20, 1, nullptr);
+               b = ctxpool_try_malloc(4096, 0, nullptr);
+               ASSERT_NE(a, nullptr);
+               ASSERT_NE(b, nullptr);
+               ctxpool_set_model(nullptr);
+             }});
   // Plain, with everything freed.
-  Sweep({"ctxpool_shutdown(0) after frees",
-         [&] {
-           ctxpool_free(p_, 4096, 0, nullptr);
-           g_fail_after = shutdown_k_;
-           (void)ctxpool_shutdown(0);
-         }},
-        /*countdown_in_run=*/true);
+  Sweep({.name = "ctxpool_shutdown(0) after frees",
+         .run = [] { (void)ctxpool_shutdown(0); },
+         .setup = [&] { ctxpool_free(p_, 4096, 0, nullptr); }});
 }
 
 // Names with control characters are escaped in the stats and the snapshot
@@ -208,16 +215,15 @@ TEST_F(HostOomPlugin, ReportsOfAModelWithControlCharacters) {
            {"ctxpool_memory_stats", [] { (void)ctxpool_memory_stats(0); }},
            {"ctxpool_snapshot", [&] { (void)ctxpool_snapshot(path.c_str()); }},
        }) {
-    SCOPED_TRACE(c.name);
-    setup_ = [&] {
+    Call named = c;
+    named.setup = [&] {
       ctxpool_set_model("\x1b[1mresnet50-imagenet\x1b[0m\x01\x02\x03");
       void* q = ctxpool_malloc(4096, 0, nullptr);
       ASSERT_NE(q, nullptr);
       got_.push_back({q, 4096, 0});
       ctxpool_set_model("m");
     };
-    Sweep(c);
-    setup_ = nullptr;
+    Sweep(named);
   }
   const char* stats = ctxpool_memory_stats(0);
   ASSERT_NE(stats, nullptr);

@@ -36,6 +36,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -763,6 +764,33 @@ const char* Result(std::string text) {
   return tls_result.c_str();
 }
 
+// The usual body of a C function: `body` on the state (made on first use).
+// A state that cannot be made, or a body that fails (an absl::Status or
+// absl::StatusOr<R>), sets the last error and gives `failed`; a body's
+// absl::Status that is OK gives R{} (0, success).
+template <typename R, typename F>
+R WithState(R failed, F&& body) {
+  absl::StatusOr<PluginState*> s = GetState();
+  if (!s.ok()) {
+    SetError(s.status());
+    return failed;
+  }
+  auto r = body(**s);
+  if constexpr (std::is_same_v<decltype(r), absl::Status>) {
+    if (!r.ok()) {
+      SetError(r);
+      return failed;
+    }
+    return R{};
+  } else {
+    if (!r.ok()) {
+      SetError(r.status());
+      return failed;
+    }
+    return *std::move(r);
+  }
+}
+
 // The general path of an allocation: the state made on first use, then
 // PluginState::Malloc. Null with *error set on failure.
 ABSL_ATTRIBUTE_NOINLINE void* Malloc(size_t size, int device,
@@ -918,55 +946,32 @@ void ctxpool_free(void* ptr, size_t size, int device, cudaStream_t stream) {
 }
 
 int64_t ctxpool_empty_cache(void) {
-  return NoHostOomEscapes("ctxpool_empty_cache: host memory ran out",
-                          std::int64_t{-1}, [&]() -> std::int64_t {
-                            absl::StatusOr<PluginState*> s = GetState();
-                            if (!s.ok()) {
-                              SetError(s.status());
-                              return -1;
-                            }
-                            absl::StatusOr<std::int64_t> freed =
-                                (*s)->EmptyCache();
-                            if (!freed.ok()) {
-                              SetError(freed.status());
-                              return -1;
-                            }
-                            return *freed;
-                          });
+  return NoHostOomEscapes(
+      "ctxpool_empty_cache: host memory ran out", std::int64_t{-1}, [] {
+        return WithState(std::int64_t{-1},
+                         [](PluginState& s) { return s.EmptyCache(); });
+      });
 }
 
 const char* ctxpool_memory_stats(int device) {
   return NoHostOomEscapes(
       "ctxpool_memory_stats: host memory ran out",
-      static_cast<const char*>(nullptr), [&]() -> const char* {
-        absl::StatusOr<PluginState*> s = GetState();
-        if (!s.ok()) {
-          SetError(s.status());
-          return nullptr;
-        }
-        absl::StatusOr<std::string> json = (*s)->MemoryStats(device);
-        if (!json.ok()) {
-          SetError(json.status());
-          return nullptr;
-        }
-        return Result(*std::move(json));
+      static_cast<const char*>(nullptr), [&] {
+        return WithState(static_cast<const char*>(nullptr),
+                         [&](PluginState& s) -> absl::StatusOr<const char*> {
+                           CTXPOOL_ASSIGN_OR_RETURN(std::string json,
+                                                    s.MemoryStats(device));
+                           return Result(std::move(json));
+                         });
       });
 }
 
 int ctxpool_record_stream(void* ptr, cudaStream_t stream) {
   return NoHostOomEscapes(
       "ctxpool_record_stream: host memory ran out", -1, [&] {
-        absl::StatusOr<PluginState*> s = GetState();
-        if (!s.ok()) {
-          SetError(s.status());
-          return -1;
-        }
-        absl::Status st = (*s)->RecordStream(ptr, StreamHandle::From(stream));
-        if (!st.ok()) {
-          SetError(st);
-          return -1;
-        }
-        return 0;
+        return WithState(-1, [&](PluginState& s) {
+          return s.RecordStream(ptr, StreamHandle::From(stream));
+        });
       });
 }
 
@@ -1000,39 +1005,26 @@ const char* ctxpool_get_model(void) {
 int ctxpool_set_model_budget(const char* name, size_t max_bytes) {
   return NoHostOomEscapes(
       "ctxpool_set_model_budget: host memory ran out", -1, [&] {
-        absl::StatusOr<PluginState*> s = GetState();
-        if (!s.ok()) {
-          SetError(s.status());
-          return -1;
-        }
-        absl::string_view model =
-            name == nullptr || name[0] == '\0' ? kDefaultModel : name;
-        absl::Status st = (*s)->SetBudget(model, max_bytes);
-        if (!st.ok()) {
-          SetError(st);
-          return -1;
-        }
-        return 0;
+        return WithState(-1, [&](PluginState& s) {
+          return s.SetBudget(
+              name == nullptr || name[0] == '\0' ? kDefaultModel : name,
+              max_bytes);
+        });
       });
 }
 
 cudaStream_t ctxpool_model_stream(int device, int i) {
-  return NoHostOomEscapes("ctxpool_model_stream: host memory ran out",
-                          static_cast<cudaStream_t>(nullptr),
-                          [&]() -> cudaStream_t {
-                            absl::StatusOr<PluginState*> s = GetState();
-                            if (!s.ok()) {
-                              SetError(s.status());
-                              return nullptr;
-                            }
-                            absl::StatusOr<StreamHandle> h =
-                                (*s)->ModelStream(device, CurrentModel(), i);
-                            if (!h.ok()) {
-                              SetError(h.status());
-                              return nullptr;
-                            }
-                            return h->as<cudaStream_t>();
-                          });
+  return NoHostOomEscapes(
+      "ctxpool_model_stream: host memory ran out",
+      static_cast<cudaStream_t>(nullptr), [&] {
+        return WithState(static_cast<cudaStream_t>(nullptr),
+                         [&](PluginState& s) -> absl::StatusOr<cudaStream_t> {
+                           CTXPOOL_ASSIGN_OR_RETURN(
+                               StreamHandle h,
+                               s.ModelStream(device, CurrentModel(), i));
+                           return h.as<cudaStream_t>();
+                         });
+      });
 }
 
 int ctxpool_snapshot(const char* path) {
@@ -1041,17 +1033,9 @@ int ctxpool_snapshot(const char* path) {
       SetError(absl::InvalidArgumentError("ctxpool_snapshot: null path"));
       return -1;
     }
-    absl::StatusOr<PluginState*> s = GetState();
-    if (!s.ok()) {
-      SetError(s.status());
-      return -1;
-    }
-    absl::Status st = ctxpool::WriteFile(path, (*s)->SnapshotJson());
-    if (!st.ok()) {
-      SetError(st);
-      return -1;
-    }
-    return 0;
+    return WithState(-1, [&](PluginState& s) {
+      return ctxpool::WriteFile(path, s.SnapshotJson());
+    });
   });
 }
 
@@ -1061,17 +1045,7 @@ int ctxpool_write_trace(const char* path) {
       SetError(absl::InvalidArgumentError("ctxpool_write_trace: null path"));
       return -1;
     }
-    absl::StatusOr<PluginState*> s = GetState();
-    if (!s.ok()) {
-      SetError(s.status());
-      return -1;
-    }
-    absl::Status st = (*s)->WriteTrace(path);
-    if (!st.ok()) {
-      SetError(st);
-      return -1;
-    }
-    return 0;
+    return WithState(-1, [&](PluginState& s) { return s.WriteTrace(path); });
   });
 }
 
@@ -1095,16 +1069,14 @@ const char* ctxpool_last_error(void) {
 }
 
 const char* ctxpool_info(void) {
-  return NoHostOomEscapes("ctxpool_info: host memory ran out",
-                          static_cast<const char*>(nullptr),
-                          [&]() -> const char* {
-                            absl::StatusOr<PluginState*> s = GetState();
-                            if (!s.ok()) {
-                              SetError(s.status());
-                              return nullptr;
-                            }
-                            return Result((*s)->Info());
-                          });
+  return NoHostOomEscapes(
+      "ctxpool_info: host memory ran out", static_cast<const char*>(nullptr),
+      [] {
+        return WithState(static_cast<const char*>(nullptr),
+                         [](PluginState& s) -> absl::StatusOr<const char*> {
+                           return Result(s.Info());
+                         });
+      });
 }
 
 int ctxpool_shutdown(int force) {
