@@ -3884,8 +3884,8 @@ class CachingDeviceAllocator::Impl {
       ABSL_GUARDED_BY(mu_);
   std::vector<PendingEvent> pending_ ABSL_GUARDED_BY(mu_);
   std::vector<EventHandle> event_pool_ ABSL_GUARDED_BY(mu_);
-  std::size_t events_created_ ABSL_GUARDED_BY(mu_) =
-      0;  // room kept in the pool
+  // Events ever created; the pool keeps room for all of them.
+  std::size_t events_created_ ABSL_GUARDED_BY(mu_) = 0;
   // The device totals (see the file comment): `agg` is guarded by the lock
   // of the shard in `holder` (every shard's under AllShards).
   // `holder` and `holder_thread` are read on every cached call and written

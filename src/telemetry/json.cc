@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/core/internal/format.h"
 

@@ -64,6 +64,13 @@ struct LiveAlloc {
   std::uint64_t stream = 0;  // the trace's stream id
 };
 
+// Whether a replay folds each call's least wall time over its runs
+// (ReplayConfig::repeats), and so logs its calls and keeps its samples in
+// call order.
+bool FoldsWallMinima(const ReplayConfig& config) {
+  return config.repeats > 1 && config.wall_latency;
+}
+
 // Everything a replay creates on the driver, released in reverse order.
 class ReplayRun {
  public:
@@ -88,8 +95,12 @@ class ReplayRun {
 
   // The wall time of each Allocate / Deallocate, in call order (after Run,
   // with wall_latency).
-  std::vector<std::int64_t>& wall_alloc_samples() { return wall_alloc_; }
-  std::vector<std::int64_t>& wall_free_samples() { return wall_free_; }
+  const std::vector<std::int64_t>& wall_alloc_samples() const {
+    return wall_alloc_;
+  }
+  const std::vector<std::int64_t>& wall_free_samples() const {
+    return wall_free_;
+  }
   // With repeats and wall_latency, every timed call in order, as CallKey
   // encodes it: the runs of a repeated replay must log the same calls.
   const std::vector<std::uint64_t>& call_log() const { return call_log_; }
@@ -239,7 +250,7 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
   wall_alloc.clear();
   wall_free.clear();
   call_log_.clear();
-  const bool log_calls = config_.repeats > 1 && config_.wall_latency;
+  const bool log_calls = FoldsWallMinima(config_);
   if (sim_costs) {
     sim_alloc.reserve(n / 2 + 1);
     sim_free.reserve(n / 2 + 1);
@@ -425,11 +436,16 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
   }
   result_.sim_alloc = ComputeLatencyStats(sim_alloc);
   result_.sim_free = ComputeLatencyStats(sim_free);
-  // The samples stay in call order (a repeated replay folds them per call).
-  std::vector<std::int64_t> sorted = wall_alloc;
-  result_.wall_alloc = ComputeLatencyStats(sorted);
-  sorted = wall_free;
-  result_.wall_free = ComputeLatencyStats(sorted);
+  if (log_calls) {
+    // The samples stay in call order: a repeated replay folds them per call.
+    std::vector<std::int64_t> sorted = wall_alloc;
+    result_.wall_alloc = ComputeLatencyStats(sorted);
+    sorted = wall_free;
+    result_.wall_free = ComputeLatencyStats(sorted);
+  } else {
+    result_.wall_alloc = ComputeLatencyStats(wall_alloc);
+    result_.wall_free = ComputeLatencyStats(wall_free);
+  }
   return std::move(result_);
 }
 
@@ -541,11 +557,12 @@ absl::StatusOr<ReplayResult> RepeatedReplay(
   std::optional<ReplayResult> first;
   std::vector<std::int64_t> alloc_min, free_min;
   std::vector<std::uint64_t> first_calls;
+  const bool fold = FoldsWallMinima(config);
   for (int k = 0; k < config.repeats; ++k) {
     CTXPOOL_ASSIGN_OR_RETURN(Driver * driver, next_driver());
     ReplayRun run(trace, *driver, device, config);
     CTXPOOL_ASSIGN_OR_RETURN(ReplayResult r, run.Run());
-    if (config.repeats > 1 && config.wall_latency) {
+    if (fold) {
       // Each call's minimum is over the same call: same event, same kind,
       // same outcome in every run.
       if (k == 0) {
@@ -559,7 +576,7 @@ absl::StatusOr<ReplayResult> RepeatedReplay(
     if (k == 0) first = std::move(r);
   }
   first->repeats = config.repeats;
-  if (config.repeats > 1 && config.wall_latency) {
+  if (fold) {
     first->wall_alloc_min = ComputeLatencyStats(alloc_min);
     first->wall_free_min = ComputeLatencyStats(free_min);
   }

@@ -10,7 +10,6 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "ctxpool/core/internal/format.h"
 
 namespace ctxpool {
