@@ -448,6 +448,9 @@ TEST_F(DeviceAllocatorTest, OomCallbackMayFreeAndRetry) {
     EXPECT_EQ(report.requested_bytes, 40 * kMiB);
     EXPECT_EQ(report.live_bytes, 40 * kMiB);
     EXPECT_EQ(report.device_total_bytes, 64 * kMiB);
+    // Classic: the segment it could not get; no granule cache.
+    EXPECT_EQ(report.growth_bytes, 40 * kMiB);
+    EXPECT_EQ(report.cached_bytes, 0u);
     if (held.is_null()) return false;
     // Called without the allocator's lock: it may free and trim.
     EXPECT_TRUE(alloc_->Deallocate(held).ok());

@@ -7,11 +7,14 @@
 #include <cstdio>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/driver/sim_driver.h"
@@ -232,6 +235,47 @@ TEST_F(VmmTest, DeviceOomReportsAndRecovers) {
   DevicePtr r = Alloc(14 * kMiB, a2_);
   EXPECT_EQ(SyncCalls(*sim_), 0u);
   Free(r);
+}
+
+// A device OOM accounts for all the memory the allocator holds: the mapped
+// bytes (reserved) and the physical memory unmapped in its granule cache,
+// which reserved does not count. It says how much new memory the request
+// needed: more than the cache and the device had between them.
+TEST_F(VmmTest, DeviceOomReportCountsTheGranuleCache) {
+  std::optional<OomReport> seen;
+  std::size_t cache_then = 0;
+  DeviceAllocatorOptions o;
+  o.on_oom = [&](const OomReport& r) {
+    seen = r;
+    cache_then = alloc_->Stats().granule_cache_bytes;
+    return false;
+  };
+  Init(std::move(o), 16 * kMiB);  // 8 granules, no context
+  // Four 3 MiB blocks, each its own partly shared granules; freeing the
+  // second and the fourth leaves a whole free granule in each.
+  DevicePtr p[4];
+  for (DevicePtr& x : p) x = Alloc(3 * kMiB, a1_);
+  Free(p[1]);
+  Free(p[3]);
+  absl::StatusOr<DevicePtr> q = alloc_->Allocate(11 * kMiB, a1_);
+  ASSERT_EQ(q.status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(seen.has_value());
+  EXPECT_FALSE(seen->tenant_limit);
+  EXPECT_GT(seen->cached_bytes, 0u);
+  EXPECT_EQ(seen->cached_bytes, cache_then);
+  EXPECT_EQ(seen->reserved_bytes + seen->cached_bytes + seen->device_free_bytes,
+            16 * kMiB);
+  EXPECT_EQ(seen->growth_bytes % kGranule, 0u);
+  EXPECT_GT(seen->growth_bytes, seen->cached_bytes + seen->device_free_bytes);
+  EXPECT_THAT(std::string(q.status().message()),
+              HasSubstr(absl::StrCat("granule cache held ", seen->cached_bytes,
+                                     " bytes")));
+  EXPECT_THAT(std::string(q.status().message()),
+              HasSubstr(absl::StrCat("needed ", seen->growth_bytes,
+                                     " bytes of new device memory")));
+  Free(p[0]);
+  Free(p[2]);
+  Free(Alloc(11 * kMiB, a1_));  // fits once the rest is free
 }
 
 TEST_F(VmmTest, TraceRecorderSeesAllocatorEvents) {

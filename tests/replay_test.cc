@@ -144,6 +144,36 @@ TEST(Replay, ReportsTheFirstOomAndContinuesOrStops) {
   EXPECT_EQ(r->ops, 2u);
 }
 
+// Expandable: the first OOM says what the allocator held unmapped in its
+// granule cache, which its reserved bytes leave out: with it, every byte of
+// the device is accounted for.
+TEST(Replay, FirstOomCountsTheGranuleCache) {
+  Trace t;
+  for (std::uint64_t i = 1; i <= 6; ++i) t.Append(Alloc(i, 501ull << 20));
+  t.Append(Free(2, 501ull << 20));  // whole free granules between live blocks
+  t.Append(Free(4, 501ull << 20));
+  t.Append(Alloc(7, 2ull << 30));  // more than the holes and the rest
+  ReplayConfig c;
+  c.capacity_bytes = 4ull << 30;
+  c.allocator.backing = BackingMode::kExpandable;
+  c.stop_at_first_oom = true;
+  absl::StatusOr<ReplayResult> r = Replay(t, c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->first_oom.has_value());
+  EXPECT_EQ(r->first_oom->event_index, 8u);
+  EXPECT_GT(r->first_oom->cached_bytes, 0u);
+  EXPECT_LE(r->first_oom->reserved_bytes + r->first_oom->cached_bytes +
+                r->context_overhead_bytes,
+            c.capacity_bytes);
+  EXPECT_THAT(r->first_oom->message, HasSubstr("granule cache held"));
+  EXPECT_THAT(ReplayResultToJson(*r),
+              HasSubstr(absl::StrCat("\"cached_bytes\": ",
+                                     r->first_oom->cached_bytes)));
+  EXPECT_THAT(ReplayResultToText(*r),
+              HasSubstr(absl::StrCat(FormatBytes(r->first_oom->cached_bytes),
+                                     " cached")));
+}
+
 TEST(Replay, RejectsFreeOfUnknownPointerWithEventIndex) {
   Trace t;
   t.Append(Alloc(1, 512));

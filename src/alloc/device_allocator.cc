@@ -488,6 +488,17 @@ std::string OomReport::ToString() const {
       requested_bytes, rounded_bytes, stream.value(), live_bytes,
       reserved_bytes, largest_free_bytes, fragmentation, device_free_bytes,
       device_total_bytes);
+  if (growth_bytes != 0) {
+    core_internal::AppendFormat(
+        &out, "; it needed %d bytes of new device memory", growth_bytes);
+    if (cached_bytes != 0) {
+      core_internal::AppendFormat(
+          &out,
+          ", and the allocator's granule cache held %d bytes (unmapped, not "
+          "in reserved)",
+          cached_bytes);
+    }
+  }
   if (memory_limit_bytes != 0) {
     core_internal::AppendFormat(
         &out, "; the allocator's memory_limit_bytes is %d", memory_limit_bytes);
@@ -3669,7 +3680,10 @@ class CachingDeviceAllocator::Impl {
       b = MapRun(seg, at.u, at.lo, at.hi);
     }
     if (!b.ok()) {
-      if (IsOutOfMemory(b.status())) *oom = true;
+      if (IsOutOfMemory(b.status())) {
+        *oom = true;
+        report->growth_bytes = at.bytes();
+      }
       return b.status();
     }
     NotePeak(ss->tenant);
@@ -3804,6 +3818,7 @@ class CachingDeviceAllocator::Impl {
     if (!IsOutOfMemory(b.status())) return b.status();
 
     *oom = true;
+    report->growth_bytes = segment_bytes;
     FillReport(ss, rounded, requested, report);
     return absl::ResourceExhaustedError(report->ToString());
   }
@@ -3820,6 +3835,7 @@ class CachingDeviceAllocator::Impl {
     report->stream = StreamHandle(ss->stream);
     report->live_bytes = Current(totals_.agg.allocated_bytes);
     report->reserved_bytes = Reserved();
+    report->cached_bytes = expandable_ ? CacheBytes() : 0;
     report->memory_limit_bytes = options_.memory_limit_bytes;
     // The free indexes hold mapped blocks only (unmapped virtual space is
     // not free memory), so the fragmentation stays in [0, 1].

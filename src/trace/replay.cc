@@ -312,8 +312,10 @@ absl::StatusOr<ReplayResult> ReplayRun::Run() {
             oom.event_index = i;
             oom.requested_bytes = e.size;
             oom.live_bytes = live_bytes;
+            const DeviceAllocatorStats stats = alloc_->Stats();
             oom.reserved_bytes = static_cast<std::uint64_t>(
-                alloc_->Stats().total.reserved_bytes[0].current);
+                stats.total.reserved_bytes[0].current);
+            oom.cached_bytes = stats.granule_cache_bytes;
             oom.message = std::string(p.status().message());
             result_.first_oom = std::move(oom);
           }
@@ -809,10 +811,11 @@ std::string ReplayResultToJson(const ReplayResult& r, bool with_samples) {
     absl::StrAppendFormat(
         &out,
         "\"first_oom\": {\"event_index\": %d, \"requested_bytes\": %d, "
-        "\"live_bytes\": %d, \"reserved_bytes\": %d, \"message\": %s}, ",
+        "\"live_bytes\": %d, \"reserved_bytes\": %d, \"cached_bytes\": %d, "
+        "\"message\": %s}, ",
         r.first_oom->event_index, r.first_oom->requested_bytes,
         r.first_oom->live_bytes, r.first_oom->reserved_bytes,
-        JsonString(r.first_oom->message));
+        r.first_oom->cached_bytes, JsonString(r.first_oom->message));
   } else {
     out += "\"first_oom\": null, ";
   }
@@ -925,11 +928,12 @@ std::string ReplayResultToText(const ReplayResult& r) {
     absl::StrAppendFormat(
         &out,
         "OOMs:             %d; first at event %d: %s requested, %s live, %s "
-        "reserved%s\n",
+        "reserved, %s cached%s\n",
         r.ooms, r.first_oom->event_index,
         FormatBytes(r.first_oom->requested_bytes),
         FormatBytes(r.first_oom->live_bytes),
         FormatBytes(r.first_oom->reserved_bytes),
+        FormatBytes(r.first_oom->cached_bytes),
         r.stopped_at_oom ? " (stopped)" : "");
   } else {
     out += "OOMs:             0\n";

@@ -184,6 +184,10 @@ struct OomReport {
   double fragmentation = 0.0;         // 1 − largest_free / total_free
   std::size_t device_free_bytes = 0;  // cuMemGetInfo
   std::size_t device_total_bytes = 0;
+  // Expandable mode: physical memory the allocator holds unmapped in its
+  // granule cache (not in reserved_bytes), ready to map anywhere; it was not
+  // enough. Classic: 0.
+  std::size_t cached_bytes = 0;
   // DeviceAllocatorOptions::memory_limit_bytes (0: none); with a limit the
   // allocator may run out with device memory to spare.
   std::size_t memory_limit_bytes = 0;
@@ -192,8 +196,12 @@ struct OomReport {
   std::size_t tenant_bytes = 0;  // reserved (classic) / mapped (expandable)
   std::size_t tenant_live_bytes = 0;
   // True when the tenant's max refused the growth (the device may have had
-  // room); then growth_bytes is the physical memory the request needed.
+  // room).
   bool tenant_limit = false;
+  // The new device memory the request needed (0 when not known, as for a
+  // virtual range exhausted): classic, the segment it could not get;
+  // expandable, the granules its placement had to map, more than the
+  // granule cache and the device (or memory_limit_bytes) could supply.
   std::size_t growth_bytes = 0;
   std::size_t tenant_max_bytes = 0;
   std::string ToString() const;

@@ -130,7 +130,10 @@ struct OomInfo {
   std::uint64_t requested_bytes = 0;
   std::uint64_t live_bytes = 0;      // the trace's live bytes before it
   std::uint64_t reserved_bytes = 0;  // the allocator's, after the failure
-  std::string message;               // the allocator's OOM report
+  // Expandable: physical memory unmapped in the granule cache then (not in
+  // reserved_bytes); classic: 0.
+  std::uint64_t cached_bytes = 0;
+  std::string message;  // the allocator's OOM report
 };
 
 struct FragmentationSample {
