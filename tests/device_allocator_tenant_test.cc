@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "ctxpool/alloc/device_allocator.h"
 #include "ctxpool/driver/sim_driver.h"
 #include "device_allocator_fixture.h"
@@ -67,6 +68,47 @@ TEST_P(TenantTest, MaxIsEnforcedPerTenantWhileAnotherKeepsAllocating) {
   Free(p);
   Free(q);
   Free(s);
+}
+
+// An on_oom callback makes room below the tenant's max and retries, and the
+// retry fails on the device: its report is the device's, filled afresh, not
+// the first attempt's tenant report.
+TEST_P(TenantTest, RetryReportsItsOwnFailureNotTheFirstAttempts) {
+  std::vector<OomReport> seen;
+  DevicePtr held, filler;
+  DeviceAllocatorOptions o;
+  o.on_oom = [&](const OomReport& r) {
+    seen.push_back(r);
+    if (seen.size() > 1) return false;
+    // The tenant's block goes (it is under its max now), and the default
+    // tenant fills the device.
+    EXPECT_TRUE(alloc_->Deallocate(held).ok());
+    EXPECT_TRUE(alloc_->Trim(0).ok());
+    absl::StatusOr<DevicePtr> f =
+        alloc_->Allocate(sim_->MemGetInfo()->free_bytes, b1_);
+    EXPECT_TRUE(f.ok()) << f.status();
+    if (f.ok()) filler = *f;
+    return true;
+  };
+  Init(64 * kMiB, std::move(o));
+  TenantId a = Register("a", Budget{.max = 30 * kMiB});
+  ASSERT_TRUE(alloc_->BindStream(a1_, a).ok());
+  held = Alloc(24 * kMiB, a1_);
+  absl::StatusOr<DevicePtr> q = alloc_->Allocate(26 * kMiB, a1_);
+  ASSERT_EQ(q.status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_EQ(seen.size(), 1u);  // on_oom is called once per failed Allocate
+  EXPECT_TRUE(seen[0].tenant_limit);
+  const std::string message(q.status().message());
+  EXPECT_EQ(message.find("for tenant"), std::string::npos) << message;
+  EXPECT_EQ(message.rfind("out of memory: requested 27262976 bytes", 0), 0u)
+      << message;
+  EXPECT_NE(message.find(absl::StrCat("device free ",
+                                      sim_->MemGetInfo()->free_bytes, " of")),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("bytes of new device memory"), std::string::npos)
+      << message;
+  Free(filler);
 }
 
 TEST_P(TenantTest, MaxTrimsTheTenantsOwnFreeMemoryFirst) {

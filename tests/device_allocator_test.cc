@@ -25,6 +25,7 @@ namespace ctxpool {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr std::size_t kSmallSeg = 2 * kMiB;
 
@@ -437,6 +438,27 @@ TEST_F(DeviceAllocatorTest, InjectedFaults) {
             static_cast<std::int64_t>(kSmallSeg));
   EXPECT_EQ(alloc_->Trim(0)->remaining_bytes, 0u);
   EXPECT_EQ(sim_->used_bytes(0), sim_->context_bytes(0));
+}
+
+// The report's text gives every figure it has: the granule cache also when
+// the growth is unknown (a virtual range exhausted), and no growth then.
+TEST(OomReportTest, TextGivesTheCacheWhateverTheGrowth) {
+  OomReport r;
+  r.requested_bytes = 8 * kMiB;
+  r.rounded_bytes = 8 * kMiB;
+  r.reserved_bytes = 18 * kMiB;
+  r.device_total_bytes = 24 * kMiB;
+  r.cached_bytes = 6 * kMiB;
+  EXPECT_THAT(r.ToString(),
+              HasSubstr("; the allocator's granule cache held 6291456 bytes "
+                        "(unmapped, not in reserved)"));
+  EXPECT_THAT(r.ToString(), Not(HasSubstr("needed")));
+  r.growth_bytes = 8 * kMiB;
+  EXPECT_THAT(r.ToString(),
+              HasSubstr("; it needed 8388608 bytes of new device memory, and "
+                        "the allocator's granule cache held 6291456 bytes"));
+  r.cached_bytes = 0;
+  EXPECT_THAT(r.ToString(), Not(HasSubstr("granule cache")));
 }
 
 TEST_F(DeviceAllocatorTest, OomCallbackMayFreeAndRetry) {

@@ -491,13 +491,13 @@ std::string OomReport::ToString() const {
   if (growth_bytes != 0) {
     core_internal::AppendFormat(
         &out, "; it needed %d bytes of new device memory", growth_bytes);
-    if (cached_bytes != 0) {
-      core_internal::AppendFormat(
-          &out,
-          ", and the allocator's granule cache held %d bytes (unmapped, not "
-          "in reserved)",
-          cached_bytes);
-    }
+  }
+  if (cached_bytes != 0) {
+    core_internal::AppendFormat(
+        &out,
+        "%s the allocator's granule cache held %d bytes (unmapped, not in "
+        "reserved)",
+        growth_bytes != 0 ? ", and" : ";", cached_bytes);
   }
   if (memory_limit_bytes != 0) {
     core_internal::AppendFormat(
@@ -807,6 +807,9 @@ class CachingDeviceAllocator::Impl {
       std::size_t bytes, StreamHandle stream, std::size_t rounded, bool small,
       OwnerId owner, const char* label, OomReport* report)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // Each attempt reports its own failure: nothing of an earlier one (its
+    // tenant_limit, growth or figures) may stand for this one's.
+    *report = OomReport{};
     StreamState* ss = GetStream(stream.value());
     ss->mu.AssertHeld();
     Tag tag;
