@@ -227,6 +227,51 @@ TEST_F(DeviceAllocatorTest, MemoryLimitReleasesCachedSegmentsFirst) {
   Free(c);
 }
 
+// A stream that needs a segment takes another stream's wholly free one only
+// when it is about the size the request would get new (a large segment more
+// at most): a 4 MiB request does not pin a 100 MiB segment, which Trim can
+// then give back; a 90 MiB request takes it without a cuMemAlloc.
+TEST_F(DeviceAllocatorTest, TakesAnotherStreamsFreeSegmentOnlyOfAboutItsSize) {
+  auto reserved = [&] {
+    return static_cast<std::size_t>(
+        alloc_->Stats().total.reserved_bytes[0].current);
+  };
+  Free(Alloc(100 * kMiB, s1_));  // s1: a wholly free 100 MiB segment
+  DevicePtr small = Alloc(4 * kMiB, s2_);
+  EXPECT_EQ(reserved(), 120 * kMiB);  // s2: a 20 MiB segment of its own
+  absl::StatusOr<TrimResult> t = alloc_->Trim(0);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->freed_bytes, 100 * kMiB);
+  Free(small);
+
+  Free(Alloc(100 * kMiB, s1_));
+  const std::uint64_t allocs = sim_->call_count(SimCall::kMemAlloc);
+  DevicePtr big = Alloc(90 * kMiB, s2_);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAlloc), allocs);  // s1's, moved
+  EXPECT_EQ(reserved(), 120 * kMiB);
+  Free(big);
+}
+
+// The same under a memory limit: what a small request would have pinned is
+// what a large one needs next.
+TEST_F(DeviceAllocatorTest, MemoryLimitFitsALargeRequestAfterSmallOnes) {
+  DeviceAllocatorOptions o;
+  o.memory_limit_bytes = 256 * kMiB;
+  Init(*SimDevicePreset("a10-24gb"), o);
+  StreamHandle s3 = *sim_->StreamCreate(kStreamNonBlocking, 0);
+  DevicePtr h1 = Alloc(4 * kMiB, s1_);
+  Free(Alloc(100 * kMiB, s1_));
+  DevicePtr h2 = Alloc(4 * kMiB, s2_);
+  Free(Alloc(100 * kMiB, s2_));
+  DevicePtr big = Alloc(180 * kMiB, s3);
+  EXPECT_EQ(alloc_->Stats().num_ooms, 0);
+  EXPECT_LE(alloc_->Stats().total.reserved_bytes[0].current, 256 * kMiB);
+  Free(big);
+  Free(h1);
+  Free(h2);
+  ASSERT_TRUE(sim_->StreamDestroy(s3).ok());
+}
+
 TEST_F(DeviceAllocatorTest, MaxSplitSizeKeepsOversizeBlocksWhole) {
   DeviceAllocatorOptions o;
   o.max_split_size = 32 * kMiB;

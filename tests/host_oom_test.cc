@@ -305,14 +305,6 @@ TEST_P(HostOomTest, SetBudgetShrinks) {
 // --- memory_limit_bytes -----------------------------------------------------
 
 TEST_P(HostOomTest, MemoryLimitForcesReclaim) {
-  if (GetParam() == BackingMode::kClassic) {
-    // Classic segments hold the live blocks with free space beside them
-    // that cannot be released (20 MiB segments for requests under 10 MiB,
-    // or a 100 MiB one taken from another stream for a 4 MiB request), so
-    // the large request does not fit under the limit even with host memory:
-    // a property of classic placement, not of host memory.
-    GTEST_SKIP() << "classic segments do not fit this layout under the limit";
-  }
   opts_.memory_limit_bytes = 256 * kMiB;
   const auto setup = [&] {
     Hold(4 * kMiB, b1_);
@@ -328,11 +320,10 @@ TEST_P(HostOomTest, MemoryLimitForcesReclaim) {
 // Memory limit with many small free pieces across streams: a large request.
 TEST_P(HostOomTest, MemoryLimitFragmented) {
   if (GetParam() == BackingMode::kClassic) {
-    // Classic segments hold the live blocks with free space beside them
-    // that cannot be released (20 MiB segments for requests under 10 MiB,
-    // or a 100 MiB one taken from another stream for a 4 MiB request), so
-    // the large request does not fit under the limit even with host memory:
-    // a property of classic placement, not of host memory.
+    // Classic's 2 MiB blocks hold the shared 20 MiB segments they sit in
+    // (requests under 10 MiB share them), so the large request does not fit
+    // under the limit even with host memory: a property of classic
+    // placement, not of host memory.
     GTEST_SKIP() << "classic segments do not fit this layout under the limit";
   }
   opts_.memory_limit_bytes = 128 * kMiB;

@@ -2476,10 +2476,16 @@ class CachingDeviceAllocator::Impl {
   }
 
   // The smallest wholly free segment of another stream that can serve the
-  // request and that allow(seg) accepts.
+  // request and that allow(seg) accepts, and no larger than the segment the
+  // request would get new plus a large segment (PyTorch's slack for an
+  // oversize block): a small request that took a large segment would pin it
+  // (a 4 MiB block in a 100 MiB segment), out of reach of Trim and of the
+  // next large request, which matters most under memory_limit_bytes.
   template <typename Allow>
   Segment* FindStealable(StreamState* ss, std::size_t rounded, bool small,
                          Allow allow) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const std::size_t most =
+        classes_.SegmentBytes(rounded) + options_.large_segment_bytes;
     Segment* best = nullptr;
     for (StreamState* other : SortedStreams()) {
       other->mu.AssertHeld();
@@ -2487,9 +2493,10 @@ class CachingDeviceAllocator::Impl {
       const FreeIndex<Segment>& index = other->whole_free[PoolIndex(small)];
       for (Segment* seg = index.LowerBound(rounded); seg != nullptr;
            seg = FreeIndex<Segment>::Next(seg)) {
-        if (best != nullptr &&
-            (seg->size > best->size ||
-             (seg->size == best->size && seg->base > best->base))) {
+        if (seg->size > most ||
+            (best != nullptr &&
+             (seg->size > best->size ||
+              (seg->size == best->size && seg->base > best->base)))) {
           break;  // the rest of this index is larger
         }
         if (classes_.CanServe(seg->size, rounded) && allow(seg)) {
