@@ -50,6 +50,12 @@ class DeviceAllocatorTest : public ::testing::Test {
     ASSERT_TRUE(a.ok()) << a.status();
     alloc_ = std::move(*a);
   }
+  // The a10-24gb device, with the allocator's memory_limit_bytes.
+  void InitWithLimit(std::size_t limit) {
+    DeviceAllocatorOptions o;
+    o.memory_limit_bytes = limit;
+    Init(*SimDevicePreset("a10-24gb"), std::move(o));
+  }
 
   void TearDown() override {
     if (alloc_ != nullptr) {
@@ -207,9 +213,7 @@ TEST_F(DeviceAllocatorTest, SplitCoalesceAndBestFit) {
 // Classic backing under memory_limit_bytes: growth past the limit first
 // returns the stream's cached segments, then fails naming the limit.
 TEST_F(DeviceAllocatorTest, MemoryLimitReleasesCachedSegmentsFirst) {
-  DeviceAllocatorOptions o;
-  o.memory_limit_bytes = 60 * kMiB;
-  Init(*SimDevicePreset("a10-24gb"), o);
+  InitWithLimit(60 * kMiB);
   DevicePtr a = Alloc(24 * kMiB, s1_);  // a segment of its own each
   DevicePtr b = Alloc(24 * kMiB, s1_);
   Free(a);
@@ -255,9 +259,7 @@ TEST_F(DeviceAllocatorTest, TakesAnotherStreamsFreeSegmentOnlyOfAboutItsSize) {
 // The same under a memory limit: what a small request would have pinned is
 // what a large one needs next.
 TEST_F(DeviceAllocatorTest, MemoryLimitFitsALargeRequestAfterSmallOnes) {
-  DeviceAllocatorOptions o;
-  o.memory_limit_bytes = 256 * kMiB;
-  Init(*SimDevicePreset("a10-24gb"), o);
+  InitWithLimit(256 * kMiB);
   StreamHandle s3 = *sim_->StreamCreate(kStreamNonBlocking, 0);
   DevicePtr h1 = Alloc(4 * kMiB, s1_);
   Free(Alloc(100 * kMiB, s1_));
@@ -270,6 +272,53 @@ TEST_F(DeviceAllocatorTest, MemoryLimitFitsALargeRequestAfterSmallOnes) {
   Free(h1);
   Free(h2);
   ASSERT_TRUE(sim_->StreamDestroy(s3).ok());
+}
+
+// Under pressure a larger free segment is still taken as a last resort,
+// rather than an OOM: here the only free memory is a 100 MiB segment of the
+// requester's own tenant, which its min keeps from being released.
+TEST_F(DeviceAllocatorTest, OversizeSegmentIsTheLastResortUnderPressure) {
+  InitWithLimit(110 * kMiB);
+  absl::StatusOr<TenantId> a =
+      alloc_->RegisterTenant("a", Budget{.min = 200 * kMiB});
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(alloc_->BindStream(s1_, *a).ok());
+  ASSERT_TRUE(alloc_->BindStream(s2_, *a).ok());
+  Free(Alloc(100 * kMiB, s1_));  // s1: a wholly free 100 MiB segment
+  DevicePtr p = Alloc(4 * kMiB, s2_);
+  EXPECT_EQ(alloc_->Stats().num_ooms, 0);
+  EXPECT_EQ(alloc_->Stats().total.reserved_bytes[0].current, 100 * kMiB);
+  Free(p);
+}
+
+// ... and when the larger segment's stream still has work queued, it is
+// handed over with a stream wait, not waited for on the host.
+TEST_F(DeviceAllocatorTest, BusyLargerSegmentIsHandedOverWithoutAHostWait) {
+  InitWithLimit(110 * kMiB);
+  DevicePtr big = Alloc(100 * kMiB, s1_);
+  sim_->Hold(s1_);  // s1's work never completes until released
+  ASSERT_TRUE(sim_->Touch(s1_, big, 100 * kMiB).ok());
+  Free(big);
+  DevicePtr p = Alloc(4 * kMiB, s2_);
+  EXPECT_EQ(SyncCalls(*sim_), 0u);
+  EXPECT_EQ(sim_->misuse_count(), 0u);
+  EXPECT_EQ(alloc_->Stats().num_ooms, 0);
+  sim_->Release(s1_);
+  Free(p);
+}
+
+// A huge large_segment_bytes does not wrap the cap to nothing: a request
+// still takes another stream's free segment it fits.
+TEST_F(DeviceAllocatorTest, HugeLargeSegmentBytesStillLetsStreamsShare) {
+  DeviceAllocatorOptions o;
+  o.large_segment_bytes = std::size_t{1} << 63;
+  ASSERT_TRUE(ValidateDeviceAllocatorOptions(o).ok());
+  Init(*SimDevicePreset("a10-24gb"), o);
+  Free(Alloc(12 * kMiB, s1_));  // a segment of its own: 12 MiB
+  const std::uint64_t allocs = sim_->call_count(SimCall::kMemAlloc);
+  DevicePtr p = Alloc(4 * kMiB, s2_);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAlloc), allocs);  // s1's, moved
+  Free(p);
 }
 
 TEST_F(DeviceAllocatorTest, MaxSplitSizeKeepsOversizeBlocksWhole) {

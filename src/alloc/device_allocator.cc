@@ -2475,17 +2475,24 @@ class CachingDeviceAllocator::Impl {
                                                   std::memory_order_release);
   }
 
+  // The largest wholly free segment of another stream that a request takes
+  // without pressure: the segment it would get new plus a large segment
+  // (PyTorch's slack for an oversize block). A small request that took a
+  // larger one would pin it (a 4 MiB block in a 100 MiB segment), out of
+  // reach of Trim and of the next large request, which matters most under
+  // memory_limit_bytes. Saturates (large_segment_bytes may be huge).
+  std::size_t TakeCap(std::size_t rounded) const {
+    const std::size_t segment = classes_.SegmentBytes(rounded);
+    const std::size_t slack = options_.large_segment_bytes;
+    return slack > kNoLimit - segment ? kNoLimit : segment + slack;
+  }
+
   // The smallest wholly free segment of another stream that can serve the
-  // request and that allow(seg) accepts, and no larger than the segment the
-  // request would get new plus a large segment (PyTorch's slack for an
-  // oversize block): a small request that took a large segment would pin it
-  // (a 4 MiB block in a 100 MiB segment), out of reach of Trim and of the
-  // next large request, which matters most under memory_limit_bytes.
+  // request, is at most `most` bytes, and that allow(seg) accepts.
   template <typename Allow>
   Segment* FindStealable(StreamState* ss, std::size_t rounded, bool small,
-                         Allow allow) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const std::size_t most =
-        classes_.SegmentBytes(rounded) + options_.large_segment_bytes;
+                         std::size_t most, Allow allow)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Segment* best = nullptr;
     for (StreamState* other : SortedStreams()) {
       other->mu.AssertHeld();
@@ -2508,25 +2515,27 @@ class CachingDeviceAllocator::Impl {
     return best;
   }
 
-  // Classic mode under device pressure: takes another tenant's wholly free
-  // segment that can serve the request, never below that tenant's min nor
-  // above the requester's max, and counts it as reclaimed on both sides.
+  // Classic mode under device pressure: takes another stream's wholly free
+  // segment of at most `most` bytes that can serve the request, of its own
+  // tenant or of another never below that tenant's min nor above the
+  // requester's max, and counts it as reclaimed on both sides.
   absl::StatusOr<Segment*> ReclaimSegment(StreamState* ss, std::size_t rounded,
-                                          bool small)
+                                          bool small, std::size_t most)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     const TenantId tenant = ss->tenant;
     const Budget& mine = tenants_[tenant]->budget;
-    Segment* seg = FindStealable(
-        ss, rounded, small, [&](Segment* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          StreamState* from = ShardOf(s);
-          from->mu.AssertHeld();
-          const TenantId owner = from->tenant;
-          if (owner == tenant) return true;
-          const std::size_t min = tenants_[owner]->budget.min;
-          return TenantMapped(owner) >= min + s->size &&
-                 (mine.max == kNoLimit ||
-                  TenantMapped(tenant) + s->size <= mine.max);
-        });
+    Segment* seg =
+        FindStealable(ss, rounded, small, most,
+                      [&](Segment* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                        StreamState* from = ShardOf(s);
+                        from->mu.AssertHeld();
+                        const TenantId owner = from->tenant;
+                        if (owner == tenant) return true;
+                        const std::size_t min = tenants_[owner]->budget.min;
+                        return TenantMapped(owner) >= min + s->size &&
+                               (mine.max == kNoLimit ||
+                                TenantMapped(tenant) + s->size <= mine.max);
+                      });
     if (seg == nullptr) return nullptr;
     StreamState* from = ShardOf(seg);
     from->mu.AssertHeld();
@@ -2805,7 +2814,7 @@ class CachingDeviceAllocator::Impl {
   // in *busy_bytes. REQUIRES: context set.
   absl::Status ReleaseCached(StreamState* only, std::size_t keep_bytes,
                              TrimResult* result, std::size_t* busy_bytes,
-                             bool protect_min = false)
+                             bool protect_min = false, bool wait = true)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::vector<Segment*> candidates =
         WholeFreeWhere([&](Segment* seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -2814,7 +2823,7 @@ class CachingDeviceAllocator::Impl {
     FoldAll();
     const std::size_t allocated = Current(totals_.agg.allocated_bytes);
     return DropWholeFree(
-        std::move(candidates), /*wait=*/true, protect_min,
+        std::move(candidates), wait, protect_min,
         [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
           return Reserved() - allocated <= keep_bytes;
         },
@@ -3784,7 +3793,7 @@ class CachingDeviceAllocator::Impl {
     // (cgroup-like: reclaim happens under pressure, never below min).
     const TenantId tenant = ss->tenant;
     if (Segment* seg =
-            FindStealable(ss, rounded, small,
+            FindStealable(ss, rounded, small, TakeCap(rounded),
                           [&](Segment* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
                             StreamState* from = ShardOf(s);
                             from->mu.AssertHeld();
@@ -3798,8 +3807,12 @@ class CachingDeviceAllocator::Impl {
     if (!IsOutOfMemory(b.status())) return b.status();
 
     // Out of memory: give back this stream's cached segments, wait for
-    // pending frees, take another tenant's fitting free segment (above its
-    // min), else give back everyone's above their min, and retry once.
+    // pending frees, take another stream's free segment of about the size
+    // needed (another tenant's above its min), else give back everyone's
+    // idle ones above their min and retry; else take a larger free segment
+    // that could not be given back (its stream busy: a stream wait, no host
+    // synchronise; or a min kept it) rather than fail; else wait for the
+    // busy ones, give them back and retry once more.
     ++num_alloc_retries_;
     TrimResult scratch;
     std::size_t busy = 0;
@@ -3808,24 +3821,46 @@ class CachingDeviceAllocator::Impl {
     if (Block* fit = FindFree(ss, rounded, small)) {
       return TakeBlock(ss, fit, rounded, requested, tag);
     }
-    CTXPOOL_ASSIGN_OR_RETURN(Segment * taken,
-                             ReclaimSegment(ss, rounded, small));
+    CTXPOOL_ASSIGN_OR_RETURN(
+        Segment * taken, ReclaimSegment(ss, rounded, small, TakeCap(rounded)));
     if (taken != nullptr) {
       NotePeak(ss->tenant);
       return TakeBlock(ss, taken->first, rounded, requested, tag);
     }
-    const std::vector<std::size_t> before = MappedByTenant();
-    ReleaseCached(nullptr, 0, &scratch, &busy, /*protect_min=*/true)
-        .IgnoreError();
-    const std::vector<std::size_t> after = MappedByTenant();
-    for (std::size_t t = 0; t < before.size(); ++t) {
-      if (t == ss->tenant || after[t] >= before[t]) continue;
-      tenants_[t]->reclaimed_from += before[t] - after[t];
-      tenants_[ss->tenant]->reclaimed_by += before[t] - after[t];
-    }
+    // Everyone's cached segments above their tenants' min go back to the
+    // driver, counted as reclaimed; without `wait` those whose streams still
+    // have work queued are skipped (their bytes in *skipped).
+    const TenantId me = ss->tenant;
+    auto sweep = [&](bool wait, std::size_t* skipped)
+                     ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                       const std::vector<std::size_t> before = MappedByTenant();
+                       ReleaseCached(nullptr, 0, &scratch, skipped,
+                                     /*protect_min=*/true, wait)
+                           .IgnoreError();
+                       const std::vector<std::size_t> after = MappedByTenant();
+                       for (std::size_t t = 0; t < before.size(); ++t) {
+                         if (t == me || after[t] >= before[t]) continue;
+                         tenants_[t]->reclaimed_from += before[t] - after[t];
+                         tenants_[me]->reclaimed_by += before[t] - after[t];
+                       }
+                     };
+    std::size_t skipped = 0;
+    sweep(/*wait=*/false, &skipped);
     b = NewSegment(ss, segment_bytes, small);
     if (b.ok()) return TakeBlock(ss, *b, rounded, requested, tag);
     if (!IsOutOfMemory(b.status())) return b.status();
+    CTXPOOL_ASSIGN_OR_RETURN(taken,
+                             ReclaimSegment(ss, rounded, small, kNoLimit));
+    if (taken != nullptr) {
+      NotePeak(ss->tenant);
+      return TakeBlock(ss, taken->first, rounded, requested, tag);
+    }
+    if (skipped != 0) {
+      sweep(/*wait=*/true, &busy);
+      b = NewSegment(ss, segment_bytes, small);
+      if (b.ok()) return TakeBlock(ss, *b, rounded, requested, tag);
+      if (!IsOutOfMemory(b.status())) return b.status();
+    }
 
     *oom = true;
     report->growth_bytes = segment_bytes;
