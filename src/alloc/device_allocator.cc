@@ -3830,7 +3830,6 @@ class CachingDeviceAllocator::Impl {
     // Everyone's cached segments above their tenants' min go back to the
     // driver, counted as reclaimed; without `wait` those whose streams still
     // have work queued are skipped (their bytes in *skipped).
-    const TenantId me = ss->tenant;
     auto sweep = [&](bool wait, std::size_t* skipped)
                      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
                        const std::vector<std::size_t> before = MappedByTenant();
@@ -3839,9 +3838,9 @@ class CachingDeviceAllocator::Impl {
                            .IgnoreError();
                        const std::vector<std::size_t> after = MappedByTenant();
                        for (std::size_t t = 0; t < before.size(); ++t) {
-                         if (t == me || after[t] >= before[t]) continue;
+                         if (t == tenant || after[t] >= before[t]) continue;
                          tenants_[t]->reclaimed_from += before[t] - after[t];
-                         tenants_[me]->reclaimed_by += before[t] - after[t];
+                         tenants_[tenant]->reclaimed_by += before[t] - after[t];
                        }
                      };
     std::size_t skipped = 0;
