@@ -278,6 +278,67 @@ TEST_F(VmmTest, DeviceOomReportCountsTheGranuleCache) {
   Free(Alloc(11 * kMiB, a1_));  // fits once the rest is free
 }
 
+// A stream's virtual range (twice the device's memory) can leave no place
+// for a request: live blocks spread over it split it. Random churn near
+// the device's capacity gets there; the OOM then says so (before, it read
+// like a device OOM that did not know what it needed), and loses nothing.
+TEST_F(VmmTest, VirtualRangeExhaustedSaysSo) {
+  int exhausted = 0;
+  for (int seed = 0; seed < 40 && exhausted == 0; ++seed) {
+    std::optional<OomReport> seen;
+    DeviceAllocatorOptions o;
+    o.on_oom = [&](const OomReport& r) {
+      seen = r;
+      return false;
+    };
+    Init(std::move(o), 64 * kMiB);  // a 128 MiB range per stream and pool
+    std::mt19937 rng(seed);
+    std::vector<DevicePtr> live;
+    std::size_t live_bytes = 0;
+    for (int i = 0; i < 3000 && exhausted == 0; ++i) {
+      if (!live.empty() && rng() % 2 == 0) {
+        const std::size_t k = rng() % live.size();
+        live_bytes -= alloc_->Lookup(live[k])->size;
+        Free(live[k]);
+        live[k] = live.back();
+        live.pop_back();
+        continue;
+      }
+      const std::size_t bytes = (1 + rng() % 40) * kMiB / 2 + kMiB;
+      seen.reset();
+      absl::StatusOr<DevicePtr> q = alloc_->Allocate(bytes, a1_);
+      if (q.ok()) {
+        live.push_back(*q);
+        live_bytes += alloc_->Lookup(*q)->size;
+        continue;
+      }
+      ASSERT_EQ(q.status().code(), absl::StatusCode::kResourceExhausted);
+      ASSERT_TRUE(seen.has_value());
+      if (!seen->virtual_range_exhausted) continue;
+      ++exhausted;
+      EXPECT_FALSE(seen->tenant_limit);
+      EXPECT_EQ(seen->virtual_range_bytes, 128 * kMiB);
+      EXPECT_EQ(seen->growth_bytes, 0u);  // nothing was placed
+      EXPECT_EQ(seen->live_bytes, live_bytes);
+      EXPECT_EQ(
+          seen->reserved_bytes + seen->cached_bytes + seen->device_free_bytes,
+          64 * kMiB);
+      EXPECT_THAT(std::string(q.status().message()),
+                  HasSubstr(absl::StrCat(
+                      "; no free run of the stream's virtual range of "
+                      "134217728 bytes could hold ",
+                      seen->rounded_bytes, " bytes")));
+      EXPECT_TRUE(alloc_->CheckInvariants().ok());
+      // Nothing was lost: with the live blocks freed the request fits.
+      for (DevicePtr p : live) Free(p);
+      live.clear();
+      Free(Alloc(bytes, a1_));
+    }
+    for (DevicePtr p : live) Free(p);
+  }
+  EXPECT_EQ(exhausted, 1) << "no seed ran the range out";
+}
+
 TEST_F(VmmTest, TraceRecorderSeesAllocatorEvents) {
   TraceRecorder& rec = alloc_->trace_recorder();
   EXPECT_FALSE(rec.enabled());

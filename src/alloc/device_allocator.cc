@@ -503,6 +503,13 @@ std::string OomReport::ToString() const {
     core_internal::AppendFormat(
         &out, "; the allocator's memory_limit_bytes is %d", memory_limit_bytes);
   }
+  if (virtual_range_exhausted) {
+    core_internal::AppendFormat(
+        &out,
+        "; no free run of the stream's virtual range of %d bytes could hold "
+        "%d bytes (live blocks split it)",
+        virtual_range_bytes, rounded_bytes);
+  }
   return out;
 }
 
@@ -3652,9 +3659,13 @@ class CachingDeviceAllocator::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     CTXPOOL_ASSIGN_OR_RETURN(Segment * seg, EnsureRange(ss, small));
     Placement at = Place(ss, rounded, small);
+    // No free run of the range can hold the request (FillReport adds the
+    // rest; AllocateMiss turns this into the report's text).
     auto exhausted = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       ++num_alloc_retries_;
       *oom = true;
+      report->virtual_range_exhausted = true;
+      report->virtual_range_bytes = seg->size;
       return absl::ResourceExhaustedError("virtual range exhausted");
     };
     if (at.u == nullptr) return exhausted();

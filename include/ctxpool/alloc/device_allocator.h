@@ -204,6 +204,11 @@ struct OomReport {
   // granule cache and the device (or memory_limit_bytes) could supply.
   std::size_t growth_bytes = 0;
   std::size_t tenant_max_bytes = 0;
+  // Expandable mode: the stream's virtual range (twice the device's memory)
+  // had no free run long enough for the request, whatever the device had:
+  // live blocks spread over it split it. virtual_range_bytes is its size.
+  bool virtual_range_exhausted = false;
+  std::size_t virtual_range_bytes = 0;
   std::string ToString() const;
 };
 
