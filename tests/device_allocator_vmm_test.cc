@@ -30,6 +30,7 @@ constexpr std::size_t kGranule = 2 * kMiB;
 
 using test::SyncCalls;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 class VmmTest : public test::DeviceAllocatorFixture {
  protected:
@@ -278,65 +279,175 @@ TEST_F(VmmTest, DeviceOomReportCountsTheGranuleCache) {
   Free(Alloc(11 * kMiB, a1_));  // fits once the rest is free
 }
 
-// A stream's virtual range (twice the device's memory) can leave no place
-// for a request: live blocks spread over it split it. Random churn near
-// the device's capacity gets there; the OOM then says so (before, it read
-// like a device OOM that did not know what it needed), and loses nothing.
-TEST_F(VmmTest, VirtualRangeExhaustedSaysSo) {
-  int exhausted = 0;
-  for (int seed = 0; seed < 40 && exhausted == 0; ++seed) {
-    std::optional<OomReport> seen;
-    DeviceAllocatorOptions o;
-    o.on_oom = [&](const OomReport& r) {
-      seen = r;
-      return false;
-    };
-    Init(std::move(o), 64 * kMiB);  // a 128 MiB range per stream and pool
-    std::mt19937 rng(seed);
-    std::vector<DevicePtr> live;
-    std::size_t live_bytes = 0;
-    for (int i = 0; i < 3000 && exhausted == 0; ++i) {
-      if (!live.empty() && rng() % 2 == 0) {
-        const std::size_t k = rng() % live.size();
-        live_bytes -= alloc_->Lookup(live[k])->size;
-        Free(live[k]);
-        live[k] = live.back();
-        live.pop_back();
-        continue;
-      }
-      const std::size_t bytes = (1 + rng() % 40) * kMiB / 2 + kMiB;
-      seen.reset();
-      absl::StatusOr<DevicePtr> q = alloc_->Allocate(bytes, a1_);
-      if (q.ok()) {
-        live.push_back(*q);
-        live_bytes += alloc_->Lookup(*q)->size;
-        continue;
-      }
-      ASSERT_EQ(q.status().code(), absl::StatusCode::kResourceExhausted);
-      ASSERT_TRUE(seen.has_value());
-      if (!seen->virtual_range_exhausted) continue;
-      ++exhausted;
-      EXPECT_FALSE(seen->tenant_limit);
-      EXPECT_EQ(seen->virtual_range_bytes, 128 * kMiB);
-      EXPECT_EQ(seen->growth_bytes, 0u);  // nothing was placed
-      EXPECT_EQ(seen->live_bytes, live_bytes);
-      EXPECT_EQ(
-          seen->reserved_bytes + seen->cached_bytes + seen->device_free_bytes,
-          64 * kMiB);
-      EXPECT_THAT(std::string(q.status().message()),
-                  HasSubstr(absl::StrCat(
-                      "; no free run of the stream's virtual range of "
-                      "134217728 bytes could hold ",
-                      seen->rounded_bytes, " bytes")));
-      EXPECT_TRUE(alloc_->CheckInvariants().ok());
-      // Nothing was lost: with the live blocks freed the request fits.
-      for (DevicePtr p : live) Free(p);
-      live.clear();
-      Free(Alloc(bytes, a1_));
-    }
-    for (DevicePtr p : live) Free(p);
+// Lays out a stream's 128 MiB range (64 MiB device) as holes of 14, 15 and
+// 16 granules, each followed by a live one-granule block, and the 32 MiB
+// unmapped tail: growing tensors, each followed by a small block that
+// stays, walk along the range. Returns the three live blocks.
+std::vector<DevicePtr> HolesOfGrowingTensors(CachingDeviceAllocator& alloc,
+                                             StreamHandle s) {
+  std::vector<DevicePtr> live;
+  for (std::size_t granules : {14, 15, 16}) {
+    // A tensor one granule larger than the last hole goes to the tail.
+    absl::StatusOr<DevicePtr> x = alloc.Allocate((granules + 1) * kGranule, s);
+    EXPECT_TRUE(x.ok() && alloc.Deallocate(*x).ok());
+    absl::StatusOr<DevicePtr> hole = alloc.Allocate(granules * kGranule, s);
+    absl::StatusOr<DevicePtr> keep = alloc.Allocate(kGranule, s);
+    EXPECT_TRUE(hole.ok() && keep.ok());
+    EXPECT_TRUE(alloc.Deallocate(*hole).ok());
+    EXPECT_TRUE(alloc.Trim(0).ok());
+    live.push_back(*keep);
   }
-  EXPECT_EQ(exhausted, 1) << "no seed ran the range out";
+  return live;
+}
+
+// Which blocks of `s`'s large-pool range are live (L), free and mapped (M)
+// or free and unmapped (U), with their sizes in granules: "U14 L1 ...".
+std::string RangePicture(CachingDeviceAllocator& alloc, StreamHandle s) {
+  std::string out;
+  for (const SegmentInfo& seg : alloc.Snapshot().segments) {
+    if (seg.stream != s || seg.small_pool) continue;
+    for (const BlockInfo& b : seg.blocks) {
+      const char c = b.state != BlockState::kFree ? 'L'
+                     : b.mapped_bytes == 0        ? 'U'
+                                                  : 'M';
+      absl::StrAppend(&out, out.empty() ? "" : " ", std::string(1, c),
+                      b.size / kGranule);
+    }
+  }
+  return out;
+}
+
+// A stream's virtual range (twice the device's memory) can leave no place
+// for a request: live blocks split it. The OOM says so (before, it read
+// like a device OOM that did not know what it needed) and loses nothing.
+TEST_F(VmmTest, VirtualRangeWithNoPlaceSaysSo) {
+  std::optional<OomReport> seen;
+  DeviceAllocatorOptions o;
+  o.on_oom = [&](const OomReport& r) {
+    seen = r;
+    return false;
+  };
+  Init(std::move(o), 64 * kMiB);
+  std::vector<DevicePtr> live = HolesOfGrowingTensors(*alloc_, a1_);
+  ASSERT_EQ(RangePicture(*alloc_, a1_), "U14 L1 U15 L1 U16 L1 U16");
+  absl::StatusOr<DevicePtr> q = alloc_->Allocate(17 * kGranule, a1_);
+  ASSERT_EQ(q.status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(seen.has_value());
+  EXPECT_TRUE(seen->virtual_range_exhausted);
+  EXPECT_FALSE(seen->tenant_limit);
+  EXPECT_EQ(seen->virtual_range_bytes, 128 * kMiB);
+  EXPECT_EQ(seen->growth_bytes, 0u);  // nothing was placed
+  EXPECT_EQ(seen->live_bytes, 3 * kGranule);
+  EXPECT_EQ(seen->reserved_bytes + seen->cached_bytes + seen->device_free_bytes,
+            64 * kMiB);
+  EXPECT_THAT(std::string(q.status().message()),
+              HasSubstr("; the stream's virtual range of 134217728 bytes had "
+                        "no place for 35651584 bytes (live blocks split it)"));
+  EXPECT_EQ(alloc_->Stats().num_ooms, 1);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  // A device OOM afterwards does not carry the flag.
+  seen.reset();
+  q = alloc_->Allocate(30 * kGranule, a2_);
+  ASSERT_FALSE(q.ok());
+  ASSERT_TRUE(seen.has_value());
+  EXPECT_FALSE(seen->virtual_range_exhausted);
+  EXPECT_THAT(std::string(q.status().message()), Not(HasSubstr("no place")));
+  // Nothing was lost: with one live block gone the request fits.
+  Free(live[1]);
+  Free(Alloc(17 * kGranule, a1_));
+  Free(live[0]);
+  Free(live[2]);
+}
+
+// A run of free blocks, holes with a mapped free block between them, holds
+// the request: its free granules are unmapped into the cache so the run
+// becomes one hole, instead of an OOM that says the range had no place.
+TEST_F(VmmTest, FreeRunOfSeveralHolesIsJoined) {
+  std::optional<OomReport> seen;
+  DeviceAllocatorOptions o;
+  o.on_oom = [&](const OomReport& r) {
+    seen = r;
+    return false;
+  };
+  Init(std::move(o), 64 * kMiB);
+  std::vector<DevicePtr> live = HolesOfGrowingTensors(*alloc_, a1_);
+  Free(live[0]);  // stays mapped: U14 M1 U15 is a run of 30 granules
+  ASSERT_EQ(RangePicture(*alloc_, a1_), "U14 M1 U15 L1 U16 L1 U16");
+  const std::uint64_t unmaps = sim_->call_count(SimCall::kMemUnmap);
+  absl::StatusOr<DevicePtr> q = alloc_->Allocate(17 * kGranule, a1_);
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_FALSE(seen.has_value());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemUnmap), unmaps + 1);  // the M1
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  Free(*q);
+  Free(live[1]);
+  Free(live[2]);
+}
+
+// Place looks at a bounded number of candidates (16 holes from the
+// request's size up, the holes beside the 256 largest mapped free blocks).
+// When those hold no place it looks at every one before the range is
+// called full: here the only place is an 18 MiB hole beside a 1.5 MiB
+// mapped free block, after 407 smaller holes and 407 larger mapped free
+// blocks, with a decoy 18 MiB hole (between live blocks) as the largest.
+TEST_F(VmmTest, PlaceLooksAtEveryHoleBeforeTheRangeIsFull) {
+  std::optional<OomReport> seen;
+  DeviceAllocatorOptions o;
+  o.on_oom = [&](const OomReport& r) {
+    seen = r;
+    return false;
+  };
+  o.vmm_unit_divisor = 0;  // single-granule mappings: holes of any length
+  Init(std::move(o), 4 * kGiB);
+  std::vector<DevicePtr> live;
+  std::vector<DevicePtr> mapped_free;
+  // A mapped free block of `bytes` at the range's tail, to carve from.
+  auto tail = [&](std::size_t bytes) {
+    DevicePtr x = Alloc(bytes, a1_);
+    Free(x);
+    return x;
+  };
+  // The place: [live 2.5][1.5][hole 18][live 2] MiB.
+  const DevicePtr start = tail(24 * kMiB);
+  live.push_back(Alloc(5 * kMiB / 2, a1_));
+  const DevicePtr beside = Alloc(3 * kMiB / 2, a1_);
+  const DevicePtr hole = Alloc(18 * kMiB, a1_);
+  live.push_back(Alloc(2 * kMiB, a1_));
+  ASSERT_EQ(hole, start + 4 * kMiB);
+  Free(hole);
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  // 407 times [live 4][hole 12][mapped free 4] MiB.
+  for (int done = 0; done < 407;) {
+    const int n = std::min(20, 407 - done);
+    tail(static_cast<std::size_t>(n) * 20 * kMiB);
+    std::vector<DevicePtr> holes;
+    for (int i = 0; i < n; ++i) {
+      live.push_back(Alloc(4 * kMiB, a1_));
+      holes.push_back(Alloc(12 * kMiB, a1_));
+      mapped_free.push_back(Alloc(4 * kMiB, a1_));
+    }
+    for (DevicePtr h : holes) Free(h);
+    ASSERT_TRUE(alloc_->Trim(0).ok());
+    done += n;
+  }
+  // The decoy: [live 2][hole 18][live 2] MiB; 6 MiB of the range are left.
+  tail(22 * kMiB);
+  live.push_back(Alloc(2 * kMiB, a1_));
+  const DevicePtr decoy = Alloc(18 * kMiB, a1_);
+  live.push_back(Alloc(2 * kMiB, a1_));
+  Free(decoy);
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  for (DevicePtr m : mapped_free) Free(m);
+  Free(beside);
+  const std::uint64_t unmaps = sim_->call_count(SimCall::kMemUnmap);
+  absl::StatusOr<DevicePtr> q = alloc_->Allocate(19 * kMiB, a1_);
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(*q, beside);  // extends the 1.5 MiB block into the hole
+  EXPECT_FALSE(seen.has_value());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemUnmap), unmaps);  // nothing moved
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  Free(*q);
+  for (DevicePtr p : live) Free(p);
 }
 
 TEST_F(VmmTest, TraceRecorderSeesAllocatorEvents) {

@@ -506,8 +506,8 @@ std::string OomReport::ToString() const {
   if (virtual_range_exhausted) {
     core_internal::AppendFormat(
         &out,
-        "; no free run of the stream's virtual range of %d bytes could hold "
-        "%d bytes (live blocks split it)",
+        "; the stream's virtual range of %d bytes had no place for %d bytes "
+        "(live blocks split it)",
         virtual_range_bytes, rounded_bytes);
   }
   return out;
@@ -3262,12 +3262,14 @@ class CachingDeviceAllocator::Impl {
   // Calls fn(run) for the whole granules under each mapped free block of
   // `ss` (large pool first, largest block first) that does not overlap
   // [skip_lo, skip_hi), until fn returns false. Walks the free indexes only
-  // (never the allocated blocks), and stops at blocks under a granule.
+  // (never the allocated blocks), and stops at blocks under a granule. With
+  // `only_pool` (a PoolIndex), that pool's blocks only.
   template <typename Fn>
   void ForFreeGranuleRuns(StreamState* ss, std::uint64_t skip_lo,
-                          std::uint64_t skip_hi, Fn fn)
+                          std::uint64_t skip_hi, Fn fn, int only_pool = -1)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     for (int pool : {1, 0}) {
+      if (only_pool >= 0 && pool != only_pool) continue;
       const Segment* seg = ss->range[pool];
       if (seg == nullptr) continue;
       const VmmRange* r = RangeOf(seg);
@@ -3314,44 +3316,47 @@ class CachingDeviceAllocator::Impl {
   // skip range, the top of a block first) into the cache once its queued
   // work is done: with `wait`, waits for it (counted in *waits); else sets
   // *busy and unmaps nothing. Never more than `cap` bytes in all (a piece
-  // that would pass it stays).
+  // that would pass it stays). With `only_pool`, that pool's granules only.
   absl::Status UnmapFreeGranules(StreamState* ss, std::size_t want, bool wait,
                                  int* waits, bool* busy, std::size_t* unmapped,
                                  std::uint64_t skip_lo = 0,
                                  std::uint64_t skip_hi = 0,
-                                 std::size_t cap = kNoLimit)
+                                 std::size_t cap = kNoLimit, int only_pool = -1)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     // Per block, the pieces to unmap: a contiguous span [lo, hi) of granules.
     absl::InlinedVector<GranuleRun, 8> todo;
     std::size_t bytes = 0;
     std::size_t npieces = 0;
-    ForFreeGranuleRuns(ss, skip_lo, skip_hi, [&](const GranuleRun& run) {
-      if (bytes >= want) return false;
-      const VmmRange* r = RangeOf(run.block->segment);
-      // The pieces wholly inside [run.lo, run.hi), in order.
-      absl::InlinedVector<std::pair<std::size_t, std::size_t>, 8> pieces;
-      r->ForEachPiece(run.lo, run.hi,
-                      [&](std::size_t start, const VmmRange::Piece& p) {
-                        if (start >= run.lo && start + p.count <= run.hi) {
-                          pieces.emplace_back(start, start + p.count);
-                        }
-                        return true;
-                      });
-      // From the top down while contiguous and wanted.
-      GranuleRun take{run.block, 0, 0};
-      for (auto it = pieces.rbegin(); it != pieces.rend() && bytes < want;
-           ++it) {
-        if (take.hi != 0 && it->second != take.lo) break;
-        const std::size_t piece = (it->second - it->first) * granule_;
-        if (piece > cap - bytes) break;
-        if (take.hi == 0) take.hi = it->second;
-        take.lo = it->first;
-        bytes += (it->second - it->first) * granule_;
-        ++npieces;
-      }
-      if (take.hi != 0) todo.push_back(take);
-      return true;
-    });
+    ForFreeGranuleRuns(
+        ss, skip_lo, skip_hi,
+        [&](const GranuleRun& run) {
+          if (bytes >= want) return false;
+          const VmmRange* r = RangeOf(run.block->segment);
+          // The pieces wholly inside [run.lo, run.hi), in order.
+          absl::InlinedVector<std::pair<std::size_t, std::size_t>, 8> pieces;
+          r->ForEachPiece(run.lo, run.hi,
+                          [&](std::size_t start, const VmmRange::Piece& p) {
+                            if (start >= run.lo && start + p.count <= run.hi) {
+                              pieces.emplace_back(start, start + p.count);
+                            }
+                            return true;
+                          });
+          // From the top down while contiguous and wanted.
+          GranuleRun take{run.block, 0, 0};
+          for (auto it = pieces.rbegin(); it != pieces.rend() && bytes < want;
+               ++it) {
+            if (take.hi != 0 && it->second != take.lo) break;
+            const std::size_t piece = (it->second - it->first) * granule_;
+            if (piece > cap - bytes) break;
+            if (take.hi == 0) take.hi = it->second;
+            take.lo = it->first;
+            bytes += (it->second - it->first) * granule_;
+            ++npieces;
+          }
+          if (take.hi != 0) todo.push_back(take);
+          return true;
+        },
+        only_pool);
     if (todo.empty()) return absl::OkStatus();
     // Host memory first: the cache's room for the pieces and the blocks
     // each Carve makes, so that no std::bad_alloc follows an unmap.
@@ -3532,10 +3537,13 @@ class CachingDeviceAllocator::Impl {
   // `keep`: the anchors of an earlier placement, whose holes are candidates
   // too (a reclaim in between adds holes and free remnants that could push
   // them out of the probes, and must not make the placement worse).
+  // `exhaustive`: no bound on the probes and visits (O(n); for the request
+  // that would otherwise fail).
   Placement Place(StreamState* ss, std::size_t rounded, bool small,
-                  Anchors keep = {nullptr, nullptr}) const
+                  Anchors keep = {nullptr, nullptr},
+                  bool exhaustive = false) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
-    constexpr int kProbes = 16;
+    const int kProbes = exhaustive ? std::numeric_limits<int>::max() : 16;
     const FreeIndex<Block>& index = ss->unmapped[PoolIndex(small)];
     const std::size_t whole = SizeClasses::RoundUp(rounded, granule_);
     Placement best;
@@ -3580,7 +3588,7 @@ class CachingDeviceAllocator::Impl {
     // are no larger than the block met, or were seen with it). Most of them
     // lie between live blocks or beside holes too small to serve, so every
     // one is looked at, not a first few: O(kVisits) pointer checks.
-    constexpr int kVisits = 256;
+    const int kVisits = exhaustive ? std::numeric_limits<int>::max() : 256;
     int visits = 0;
     for (Block* m = ss->free[PoolIndex(small)].Last();
          m != nullptr && visits < kVisits;
@@ -3599,6 +3607,19 @@ class CachingDeviceAllocator::Impl {
     }
     return best;
   }
+  // Whether `seg` holds a run of free blocks (mapped or not, no live,
+  // pending or quarantined block between them) of at least `rounded` bytes.
+  // O(blocks in the range): for the request that would otherwise fail.
+  static bool HasFreeRun(const Segment* seg, std::size_t rounded) {
+    std::size_t run = 0;
+    for (const Block* b = seg->first; b != nullptr; b = b->next) {
+      run =
+          b->state == BlockState::kFree && !b->quarantined ? run + b->size : 0;
+      if (run >= rounded) return true;
+    }
+    return false;
+  }
+
   // The addresses a placement uses: its run and the mapped free neighbours
   // it extends (Reclaim leaves them mapped).
   static std::pair<std::uint64_t, std::uint64_t> Span(const Placement& at) {
@@ -3658,7 +3679,32 @@ class CachingDeviceAllocator::Impl {
                                                bool* oom, const Tag& tag)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     CTXPOOL_ASSIGN_OR_RETURN(Segment * seg, EnsureRange(ss, small));
+    // Place looks at a bounded number of candidates, each one hole with its
+    // two mapped free neighbours. Before the range is called full: every
+    // candidate; then, when a run of free blocks (holes and mapped free
+    // blocks between them) could hold the request, this pool's free
+    // granules go to the granule cache (waiting for the stream's queued
+    // work if need be), which joins the run into one hole; then every
+    // candidate again.
+    auto place_harder = [&](Anchors anchors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(
+                            mu_, ss->mu) {
+      Placement p = Place(ss, rounded, small, anchors, /*exhaustive=*/true);
+      if (p.u != nullptr || !HasFreeRun(seg, rounded)) return p;
+      bool busy = false;
+      std::size_t got = 0;
+      for (bool wait : {false, true}) {
+        busy = false;
+        UnmapFreeGranules(ss, kNoLimit, wait, nullptr, &busy, &got, 0, 0,
+                          kNoLimit, PoolIndex(small))
+            .IgnoreError();
+        if (!busy) break;
+      }
+      if (got == 0) return p;
+      return Place(ss, rounded, small, {nullptr, nullptr},
+                   /*exhaustive=*/true);
+    };
     Placement at = Place(ss, rounded, small);
+    if (at.u == nullptr) at = place_harder({nullptr, nullptr});
     // No free run of the range can hold the request (FillReport adds the
     // rest; AllocateMiss turns this into the report's text).
     auto exhausted = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -3687,6 +3733,7 @@ class CachingDeviceAllocator::Impl {
         if (over == 0) break;
       }
       at = Place(ss, rounded, small, anchors);
+      if (at.u == nullptr) at = place_harder(anchors);
       if (at.u == nullptr) return exhausted();
       if (TenantMapped(ss->tenant) + at.bytes() > t.budget.max) {
         return TenantOom(ss, rounded, requested, at.bytes(), report, oom);
@@ -3702,6 +3749,7 @@ class CachingDeviceAllocator::Impl {
               skip_hi);
       // Reclaim reshaped the blocks; the first placement stays a candidate.
       at = Place(ss, rounded, small, anchors);
+      if (at.u == nullptr) at = place_harder(anchors);
       if (at.u == nullptr) return exhausted();
       if (t.budget.max != kNoLimit &&
           TenantMapped(ss->tenant) + at.bytes() > t.budget.max) {
