@@ -57,6 +57,15 @@ class VmmTest : public test::DeviceAllocatorFixture {
     return static_cast<std::size_t>(
         alloc_->Stats().total.allocated_bytes[0].current);
   }
+  // Init with an on_oom that keeps the last report in oom_ and declines.
+  void InitKeepingOoms(std::size_t capacity, DeviceAllocatorOptions o = {}) {
+    o.on_oom = [this](const OomReport& r) {
+      oom_ = r;
+      return false;
+    };
+    Init(std::move(o), capacity);
+  }
+  std::optional<OomReport> oom_;
 };
 
 TEST_F(VmmTest, MapsGranulesOnDemandAndReusesFreedBlocks) {
@@ -279,33 +288,44 @@ TEST_F(VmmTest, DeviceOomReportCountsTheGranuleCache) {
   Free(Alloc(11 * kMiB, a1_));  // fits once the rest is free
 }
 
-// Lays out a stream's 128 MiB range (64 MiB device) as holes of 14, 15 and
-// 16 granules, each followed by a live one-granule block, and the 32 MiB
-// unmapped tail: growing tensors, each followed by a small block that
-// stays, walk along the range. Returns the three live blocks.
+// A hole of `granules` followed by a live one-granule block: a tensor one
+// granule larger than any hole goes to the end of what the stream's ranges
+// use, is freed, and the hole and the block are carved from it. Returns
+// the block, or the error of the tensor that found no place.
+absl::StatusOr<DevicePtr> HoleThenBlock(CachingDeviceAllocator& alloc,
+                                        StreamHandle s, std::size_t granules) {
+  absl::StatusOr<DevicePtr> x = alloc.Allocate((granules + 1) * kGranule, s);
+  if (!x.ok()) return x.status();
+  EXPECT_TRUE(alloc.Deallocate(*x).ok());
+  absl::StatusOr<DevicePtr> hole = alloc.Allocate(granules * kGranule, s);
+  absl::StatusOr<DevicePtr> block = alloc.Allocate(kGranule, s);
+  EXPECT_TRUE(hole.ok() && block.ok());
+  EXPECT_TRUE(alloc.Deallocate(*hole).ok());
+  EXPECT_TRUE(alloc.Trim(0).ok());
+  return block;
+}
+
+// Growing tensors, each followed by a small block that stays, walk along a
+// stream's range (128 MiB on a 64 MiB device) and leave holes of 14, 15
+// and 16 granules and a 16-granule tail. Returns the three blocks.
 std::vector<DevicePtr> HolesOfGrowingTensors(CachingDeviceAllocator& alloc,
                                              StreamHandle s) {
   std::vector<DevicePtr> live;
   for (std::size_t granules : {14, 15, 16}) {
-    // A tensor one granule larger than the last hole goes to the tail.
-    absl::StatusOr<DevicePtr> x = alloc.Allocate((granules + 1) * kGranule, s);
-    EXPECT_TRUE(x.ok() && alloc.Deallocate(*x).ok());
-    absl::StatusOr<DevicePtr> hole = alloc.Allocate(granules * kGranule, s);
-    absl::StatusOr<DevicePtr> keep = alloc.Allocate(kGranule, s);
-    EXPECT_TRUE(hole.ok() && keep.ok());
-    EXPECT_TRUE(alloc.Deallocate(*hole).ok());
-    EXPECT_TRUE(alloc.Trim(0).ok());
-    live.push_back(*keep);
+    absl::StatusOr<DevicePtr> block = HoleThenBlock(alloc, s, granules);
+    EXPECT_TRUE(block.ok()) << block.status();
+    if (block.ok()) live.push_back(*block);
   }
   return live;
 }
 
-// Which blocks of `s`'s large-pool range are live (L), free and mapped (M)
-// or free and unmapped (U), with their sizes in granules: "U14 L1 ...".
+// The blocks of `s`'s large-pool ranges, one range per "|": live (L), free
+// and mapped (M) or free and unmapped (U), with their sizes in granules.
 std::string RangePicture(CachingDeviceAllocator& alloc, StreamHandle s) {
   std::string out;
   for (const SegmentInfo& seg : alloc.Snapshot().segments) {
     if (seg.stream != s || seg.small_pool) continue;
+    if (!out.empty()) out += " |";
     for (const BlockInfo& b : seg.blocks) {
       const char c = b.state != BlockState::kFree ? 'L'
                      : b.mapped_bytes == 0        ? 'U'
@@ -317,67 +337,111 @@ std::string RangePicture(CachingDeviceAllocator& alloc, StreamHandle s) {
   return out;
 }
 
-// A stream's virtual range (twice the device's memory) can leave no place
-// for a request: live blocks split it. The OOM says so (before, it read
-// like a device OOM that did not know what it needed) and loses nothing.
-TEST_F(VmmTest, VirtualRangeWithNoPlaceSaysSo) {
-  std::optional<OomReport> seen;
-  DeviceAllocatorOptions o;
-  o.on_oom = [&](const OomReport& r) {
-    seen = r;
-    return false;
-  };
-  Init(std::move(o), 64 * kMiB);
+// When live blocks split a stream's range so that no place is left for a
+// request, the stream gets another range (as PyTorch opens another
+// expandable segment) rather than an OOM with the device mostly free.
+TEST_F(VmmTest, RangeWithNoPlaceOpensAnother) {
+  InitKeepingOoms(64 * kMiB);
   std::vector<DevicePtr> live = HolesOfGrowingTensors(*alloc_, a1_);
   ASSERT_EQ(RangePicture(*alloc_, a1_), "U14 L1 U15 L1 U16 L1 U16");
+  const std::uint64_t reserves = sim_->call_count(SimCall::kMemAddressReserve);
+  const DevicePtr q = Alloc(17 * kGranule, a1_);
+  EXPECT_FALSE(oom_.has_value());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), reserves + 1);
+  EXPECT_EQ(RangePicture(*alloc_, a1_), "U14 L1 U15 L1 U16 L1 U16 | L17 U47");
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  // Both ranges serve and give back as one.
+  Free(q);
+  for (DevicePtr p : live) Free(p);
+  Free(Alloc(30 * kGranule, a1_));
+  EXPECT_TRUE(alloc_->Trim(0).ok());
+  EXPECT_EQ(Reserved(), 0u);
+  EXPECT_EQ(alloc_->Stats().granule_cache_bytes, 0u);
+  EXPECT_TRUE(alloc_->Reset().ok());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressFree), reserves + 1);
+}
+
+// With no place in its ranges and no further range, the OOM says so (not a
+// device OOM that does not know what it needed) and loses nothing.
+TEST_F(VmmTest, NoPlaceAndNoFurtherRangeSaysSo) {
+  InitKeepingOoms(64 * kMiB);
+  std::vector<DevicePtr> live = HolesOfGrowingTensors(*alloc_, a1_);
+  sim_->InjectFault(SimCall::kMemAddressReserve, 1, cu::kErrorOutOfMemory);
   absl::StatusOr<DevicePtr> q = alloc_->Allocate(17 * kGranule, a1_);
   ASSERT_EQ(q.status().code(), absl::StatusCode::kResourceExhausted);
-  ASSERT_TRUE(seen.has_value());
-  EXPECT_TRUE(seen->virtual_range_exhausted);
-  EXPECT_FALSE(seen->tenant_limit);
-  EXPECT_EQ(seen->virtual_range_bytes, 128 * kMiB);
-  EXPECT_EQ(seen->growth_bytes, 0u);  // nothing was placed
-  EXPECT_EQ(seen->live_bytes, 3 * kGranule);
-  EXPECT_EQ(seen->reserved_bytes + seen->cached_bytes + seen->device_free_bytes,
+  ASSERT_TRUE(oom_.has_value());
+  EXPECT_TRUE(oom_->virtual_range_exhausted);
+  EXPECT_FALSE(oom_->tenant_limit);
+  EXPECT_EQ(oom_->virtual_range_bytes, 128 * kMiB);
+  EXPECT_EQ(oom_->growth_bytes, 0u);  // nothing was placed
+  EXPECT_EQ(oom_->live_bytes, 3 * kGranule);
+  EXPECT_EQ(oom_->reserved_bytes + oom_->cached_bytes + oom_->device_free_bytes,
             64 * kMiB);
   EXPECT_THAT(std::string(q.status().message()),
-              HasSubstr("; the stream's virtual range of 134217728 bytes had "
-                        "no place for 35651584 bytes (live blocks split it)"));
+              HasSubstr("; the stream's virtual ranges (134217728 bytes in "
+                        "all) had no place for 35651584 bytes (live blocks "
+                        "split them)"));
   EXPECT_EQ(alloc_->Stats().num_ooms, 1);
   EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  // A driver error other than memory is returned as it is, not an OOM.
+  sim_->InjectFault(SimCall::kMemAddressReserve, 1, cu::kErrorInvalidValue);
+  oom_.reset();
+  q = alloc_->Allocate(17 * kGranule, a1_);
+  EXPECT_EQ(q.status().code(), absl::StatusCode::kInvalidArgument)
+      << q.status();
+  EXPECT_FALSE(oom_.has_value());
+  EXPECT_EQ(alloc_->Stats().num_ooms, 1);
   // A device OOM afterwards does not carry the flag.
-  seen.reset();
   q = alloc_->Allocate(30 * kGranule, a2_);
   ASSERT_FALSE(q.ok());
-  ASSERT_TRUE(seen.has_value());
-  EXPECT_FALSE(seen->virtual_range_exhausted);
+  ASSERT_TRUE(oom_.has_value());
+  EXPECT_FALSE(oom_->virtual_range_exhausted);
   EXPECT_THAT(std::string(q.status().message()), Not(HasSubstr("no place")));
-  // Nothing was lost: with one live block gone the request fits.
-  Free(live[1]);
+  // Nothing was lost: the next try gets its range.
   Free(Alloc(17 * kGranule, a1_));
-  Free(live[0]);
-  Free(live[2]);
+  for (DevicePtr p : live) Free(p);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+}
+
+// A (stream, pool) holds at most four ranges: growing tensors that leave a
+// hole and a live block each fill four, and the next has no place, with
+// the device able to serve it.
+TEST_F(VmmTest, RangesStopAtFour) {
+  InitKeepingOoms(128 * kMiB);  // ranges of 256 MiB
+  std::vector<DevicePtr> live;
+  std::size_t granules = 30;
+  for (;; ++granules) {
+    ASSERT_LT(granules, 60u) << "never ran out";
+    absl::StatusOr<DevicePtr> block = HoleThenBlock(*alloc_, a1_, granules);
+    if (!block.ok()) break;
+    live.push_back(*block);
+  }
+  ASSERT_TRUE(oom_.has_value());
+  EXPECT_TRUE(oom_->virtual_range_exhausted);
+  EXPECT_EQ(oom_->virtual_range_bytes, 4 * 256 * kMiB);
+  EXPECT_GE(oom_->device_free_bytes + oom_->cached_bytes,
+            (granules + 1) * kGranule);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), 4u);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  for (DevicePtr p : live) Free(p);
+  Free(Alloc((granules + 1) * kGranule, a1_));
 }
 
 // A run of free blocks, holes with a mapped free block between them, holds
 // the request: its free granules are unmapped into the cache so the run
-// becomes one hole, instead of an OOM that says the range had no place.
+// becomes one hole, before another range is reserved.
 TEST_F(VmmTest, FreeRunOfSeveralHolesIsJoined) {
-  std::optional<OomReport> seen;
-  DeviceAllocatorOptions o;
-  o.on_oom = [&](const OomReport& r) {
-    seen = r;
-    return false;
-  };
-  Init(std::move(o), 64 * kMiB);
+  InitKeepingOoms(64 * kMiB);
   std::vector<DevicePtr> live = HolesOfGrowingTensors(*alloc_, a1_);
   Free(live[0]);  // stays mapped: U14 M1 U15 is a run of 30 granules
   ASSERT_EQ(RangePicture(*alloc_, a1_), "U14 M1 U15 L1 U16 L1 U16");
   const std::uint64_t unmaps = sim_->call_count(SimCall::kMemUnmap);
+  const std::uint64_t reserves = sim_->call_count(SimCall::kMemAddressReserve);
   absl::StatusOr<DevicePtr> q = alloc_->Allocate(17 * kGranule, a1_);
   ASSERT_TRUE(q.ok()) << q.status();
-  EXPECT_FALSE(seen.has_value());
+  EXPECT_FALSE(oom_.has_value());
   EXPECT_EQ(sim_->call_count(SimCall::kMemUnmap), unmaps + 1);  // the M1
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), reserves);
   EXPECT_TRUE(alloc_->CheckInvariants().ok());
   Free(*q);
   Free(live[1]);
@@ -391,14 +455,9 @@ TEST_F(VmmTest, FreeRunOfSeveralHolesIsJoined) {
 // mapped free block, after 407 smaller holes and 407 larger mapped free
 // blocks, with a decoy 18 MiB hole (between live blocks) as the largest.
 TEST_F(VmmTest, PlaceLooksAtEveryHoleBeforeTheRangeIsFull) {
-  std::optional<OomReport> seen;
   DeviceAllocatorOptions o;
-  o.on_oom = [&](const OomReport& r) {
-    seen = r;
-    return false;
-  };
   o.vmm_unit_divisor = 0;  // single-granule mappings: holes of any length
-  Init(std::move(o), 4 * kGiB);
+  InitKeepingOoms(4 * kGiB, std::move(o));
   std::vector<DevicePtr> live;
   std::vector<DevicePtr> mapped_free;
   // A mapped free block of `bytes` at the range's tail, to carve from.
@@ -443,8 +502,9 @@ TEST_F(VmmTest, PlaceLooksAtEveryHoleBeforeTheRangeIsFull) {
   absl::StatusOr<DevicePtr> q = alloc_->Allocate(19 * kMiB, a1_);
   ASSERT_TRUE(q.ok()) << q.status();
   EXPECT_EQ(*q, beside);  // extends the 1.5 MiB block into the hole
-  EXPECT_FALSE(seen.has_value());
+  EXPECT_FALSE(oom_.has_value());
   EXPECT_EQ(sim_->call_count(SimCall::kMemUnmap), unmaps);  // nothing moved
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), 1u);  // no more
   EXPECT_TRUE(alloc_->CheckInvariants().ok());
   Free(*q);
   for (DevicePtr p : live) Free(p);

@@ -77,7 +77,8 @@
 //   I7  reserved == allocated + pending_free + free  (bytes, in total).
 //   I8  each stream's arena has handed out exactly the blocks of its
 //       segments.
-//   Expandable mode (one segment per (stream, pool) over a virtual range):
+//   Expandable mode (a segment per virtual range; a (stream, pool) holds
+//   one, and up to kMaxRanges when live blocks split them):
 //   I7 is replaced by
 //   I9  a segment's reserved bytes == its mapped granules × granule, and
 //       every block but the unmapped ones lies on mapped granules;
@@ -195,6 +196,12 @@ constexpr std::size_t kInitialLiveCapacity = 256;
 
 int PoolIndex(bool small) { return small ? 0 : 1; }
 
+// Expandable mode: the most virtual ranges a (stream, pool) may hold, each
+// twice the device's memory. The first is reserved on first use; another
+// only when no earlier one has a place for a request (live blocks split
+// them), as PyTorch opens another expandable segment.
+constexpr int kMaxRanges = 4;
+
 struct StreamState;
 struct OwnerRec;
 
@@ -266,8 +273,9 @@ struct alignas(64) StreamState {
   // sheds on the slow path).
   std::size_t tenant_high ABSL_GUARDED_BY(mu) = kNoLimit;
   const std::atomic<std::size_t>* tenant_mapped ABSL_GUARDED_BY(mu) = nullptr;
-  // Expandable mode: the stream's range segment per pool (null until used).
-  Segment* range[2] ABSL_GUARDED_BY(mu) = {nullptr, nullptr};
+  // Expandable mode: the stream's range segments per pool, in the order
+  // they were reserved (null until used; see kMaxRanges).
+  Segment* range[2][kMaxRanges] ABSL_GUARDED_BY(mu) = {};
   // Decay. `ops` counts the blocks taken and freed on the stream: a plain
   // increment on the hot path, which never reads the clock. Each decay
   // check compares it with `ops_seen`; when it moved (or at the first
@@ -506,8 +514,8 @@ std::string OomReport::ToString() const {
   if (virtual_range_exhausted) {
     core_internal::AppendFormat(
         &out,
-        "; the stream's virtual range of %d bytes had no place for %d bytes "
-        "(live blocks split it)",
+        "; the stream's virtual ranges (%d bytes in all) had no place for %d "
+        "bytes (live blocks split them)",
         virtual_range_bytes, rounded_bytes);
   }
   return out;
@@ -2713,7 +2721,9 @@ class CachingDeviceAllocator::Impl {
         BumpReserved(ss, small, -static_cast<std::int64_t>(r->mapped));
         vmm_.Forget(r);
       }
-      ss->range[PoolIndex(small)] = nullptr;
+      for (Segment*& slot : ss->range[PoolIndex(small)]) {
+        if (slot == seg) slot = nullptr;
+      }
       ranges_.CommitErase(std::move(erased));
     } else {
       if (free_memory) {
@@ -3089,11 +3099,20 @@ class CachingDeviceAllocator::Impl {
     return (hi + 1 - lo - r->CountMapped(lo, hi + 1)) * granule_;
   }
 
-  // The stream's range for a pool, reserved on first use.
+  // The stream's first range for a pool, reserved on first use.
   absl::StatusOr<Segment*> EnsureRange(StreamState* ss, bool small)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
-    Segment*& slot = ss->range[PoolIndex(small)];
-    if (slot != nullptr) return slot;
+    for (Segment*& slot : ss->range[PoolIndex(small)]) {
+      if (slot != nullptr) return slot;
+    }
+    return ReserveRange(ss, small, &ss->range[PoolIndex(small)][0]);
+  }
+
+  // Reserves a range for the stream's pool into the empty `slot`, one
+  // unmapped free block.
+  absl::StatusOr<Segment*> ReserveRange(StreamState* ss, bool small,
+                                        Segment** slot)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     // Twice the device's memory: virtual space is cheap, and the slack keeps
     // address-space fragmentation from failing a request that physical
     // memory could serve.
@@ -3136,9 +3155,9 @@ class CachingDeviceAllocator::Impl {
     b->unmapped = true;
     seg->first = b;
     Bump(ss, &PoolStats::segment, small, 1);
-    slot = seg;
+    *slot = seg;
     Index(ss, b);
-    return slot;
+    return seg;
   }
 
   // Maps the granules of [lo, hi) (granule aligned, inside unmapped free
@@ -3270,13 +3289,15 @@ class CachingDeviceAllocator::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     for (int pool : {1, 0}) {
       if (only_pool >= 0 && pool != only_pool) continue;
-      const Segment* seg = ss->range[pool];
-      if (seg == nullptr) continue;
-      const VmmRange* r = RangeOf(seg);
-      if (r->mapped == 0) continue;
+      bool mapped = false;
+      for (const Segment* seg : ss->range[pool]) {
+        mapped = mapped || (seg != nullptr && RangeOf(seg)->mapped != 0);
+      }
+      if (!mapped) continue;
       for (Block* b = ss->free[pool].Last();
            b != nullptr && b->size >= granule_; b = FreeIndex<Block>::Prev(b)) {
         if (b->address < skip_hi && b->end() > skip_lo) continue;
+        const VmmRange* r = RangeOf(b->segment);
         const std::size_t lo = (b->address - r->base + granule_ - 1) / granule_;
         const std::size_t hi = (b->end() - r->base) / granule_;
         if (lo >= hi) continue;
@@ -3678,40 +3699,68 @@ class CachingDeviceAllocator::Impl {
                                                bool small, OomReport* report,
                                                bool* oom, const Tag& tag)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
-    CTXPOOL_ASSIGN_OR_RETURN(Segment * seg, EnsureRange(ss, small));
+    CTXPOOL_RETURN_IF_ERROR(EnsureRange(ss, small).status());
     // Place looks at a bounded number of candidates, each one hole with its
-    // two mapped free neighbours. Before the range is called full: every
+    // two mapped free neighbours. Before the ranges are called full: every
     // candidate; then, when a run of free blocks (holes and mapped free
     // blocks between them) could hold the request, this pool's free
     // granules go to the granule cache (waiting for the stream's queued
-    // work if need be), which joins the run into one hole; then every
-    // candidate again.
+    // work if need be), which joins the run into one hole, and every
+    // candidate again; then another range (kMaxRanges), whose failure to
+    // reserve is kept in range_error.
+    absl::Status range_error;
     auto place_harder = [&](Anchors anchors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(
                             mu_, ss->mu) {
       Placement p = Place(ss, rounded, small, anchors, /*exhaustive=*/true);
-      if (p.u != nullptr || !HasFreeRun(seg, rounded)) return p;
-      bool busy = false;
-      std::size_t got = 0;
-      for (bool wait : {false, true}) {
-        busy = false;
-        UnmapFreeGranules(ss, kNoLimit, wait, nullptr, &busy, &got, 0, 0,
-                          kNoLimit, PoolIndex(small))
-            .IgnoreError();
-        if (!busy) break;
+      if (p.u != nullptr) return p;
+      Segment** empty = nullptr;
+      bool run = false;
+      for (Segment*& r : ss->range[PoolIndex(small)]) {
+        if (r == nullptr && empty == nullptr) empty = &r;
+        run = run || (r != nullptr && HasFreeRun(r, rounded));
       }
-      if (got == 0) return p;
+      if (run) {
+        bool busy = false;
+        std::size_t got = 0;
+        for (bool wait : {false, true}) {
+          busy = false;
+          UnmapFreeGranules(ss, kNoLimit, wait, nullptr, &busy, &got, 0, 0,
+                            kNoLimit, PoolIndex(small))
+              .IgnoreError();
+          if (!busy) break;
+        }
+        if (got != 0) {
+          p = Place(ss, rounded, small, {nullptr, nullptr},
+                    /*exhaustive=*/true);
+          if (p.u != nullptr) return p;
+        }
+      }
+      // Another range, while there is a slot for one.
+      if (empty == nullptr) return p;
+      absl::StatusOr<Segment*> more = ReserveRange(ss, small, empty);
+      if (!more.ok()) {
+        range_error = more.status();
+        return p;
+      }
       return Place(ss, rounded, small, {nullptr, nullptr},
                    /*exhaustive=*/true);
     };
     Placement at = Place(ss, rounded, small);
     if (at.u == nullptr) at = place_harder({nullptr, nullptr});
-    // No free run of the range can hold the request (FillReport adds the
-    // rest; AllocateMiss turns this into the report's text).
-    auto exhausted = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // No range has a place for the request and no other can be reserved
+    // (FillReport adds the rest; AllocateMiss turns this into the report's
+    // text). A reservation that failed other than for memory is returned.
+    auto exhausted = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
+      if (!range_error.ok() && !IsOutOfMemory(range_error)) {
+        return range_error;
+      }
       ++num_alloc_retries_;
       *oom = true;
       report->virtual_range_exhausted = true;
-      report->virtual_range_bytes = seg->size;
+      report->virtual_range_bytes = 0;
+      for (const Segment* r : ss->range[PoolIndex(small)]) {
+        if (r != nullptr) report->virtual_range_bytes += r->size;
+      }
       return absl::ResourceExhaustedError("virtual range exhausted");
     };
     if (at.u == nullptr) return exhausted();
@@ -3739,7 +3788,8 @@ class CachingDeviceAllocator::Impl {
         return TenantOom(ss, rounded, requested, at.bytes(), report, oom);
       }
     }
-    absl::StatusOr<Block*> b = MapRun(seg, at.u, at.lo, MapAhead(at, rounded));
+    absl::StatusOr<Block*> b =
+        MapRun(at.u->segment, at.u, at.lo, MapAhead(at, rounded));
     if (!b.ok() && IsOutOfMemory(b.status())) {
       ++num_alloc_retries_;
       const std::size_t cached = CacheBytes();
@@ -3755,7 +3805,7 @@ class CachingDeviceAllocator::Impl {
           TenantMapped(ss->tenant) + at.bytes() > t.budget.max) {
         return TenantOom(ss, rounded, requested, at.bytes(), report, oom);
       }
-      b = MapRun(seg, at.u, at.lo, at.hi);
+      b = MapRun(at.u->segment, at.u, at.lo, at.hi);
     }
     if (!b.ok()) {
       if (IsOutOfMemory(b.status())) {
@@ -4136,8 +4186,11 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
         return absl::InternalError(core_internal::Format(
             "I9: range 0x%x has a bad or overlapping mapping", seg.base));
       }
+      const auto& slots = ss->range[PoolIndex(seg.small)];
       if (mapped != range->mapped || range->base != seg.base ||
-          range->size != seg.size || ss->range[PoolIndex(seg.small)] != &seg) {
+          range->size != seg.size ||
+          std::find(std::begin(slots), std::end(slots), &seg) ==
+              std::end(slots)) {
         return absl::InternalError(
             core_internal::Format("I9: range 0x%x maps %d bytes, books say %d",
                                   seg.base, mapped, range->mapped));

@@ -4,13 +4,13 @@
 // (internal; not installed).
 //
 // A classic segment gets its memory in one piece (ClassicBacking, behind
-// segment_backing.h). An expandable segment is one virtual range per
-// (stream, pool) whose 2 MiB granules are mapped and unmapped one run at a
-// time, so this backing's interface is the range and its runs: Reserve a
-// range, MapRun granules into it (cached pieces first, then new physical
-// allocations), UnmapPiece one mapping back into the cache, Release or Decay
-// the cache. The allocator keeps the block logic (which free block a run
-// serves, what to reclaim) and the stats.
+// segment_backing.h). An expandable segment is a virtual range of a
+// (stream, pool) (its first, or one of up to three more) whose 2 MiB granules
+// are mapped and unmapped one run at a time, so this backing's interface is the
+// range and its runs: Reserve a range, MapRun granules into it (cached pieces
+// first, then new physical allocations), UnmapPiece one mapping back into the
+// cache, Release or Decay the cache. The allocator keeps the block logic (which
+// free block a run serves, what to reclaim) and the stats.
 //
 // Units and chunks. New memory is mapped in units of at most a power of two
 // granules, one cuMemMap each. A unit is also the smallest amount that can

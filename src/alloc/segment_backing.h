@@ -4,9 +4,10 @@
 // The allocator's block logic does not care how a segment's range was
 // obtained. A SegmentBacking hides it: ClassicBacking (classic_backing.h)
 // makes one cuMemAlloc per segment and one cuMemFree to return it. The
-// expandable backing (expandable_backing.h) is different in kind: one
-// virtual range per (stream, pool) whose granules are mapped and unmapped
-// run by run, so its interface is the range and its runs.
+// expandable backing (expandable_backing.h) is different in kind: a
+// virtual range per (stream, pool) (a few when live blocks split them)
+// whose granules are mapped and unmapped run by run, so its interface is
+// the range and its runs.
 //
 // The caller holds the allocator's global lock (mu_) and has made its context
 // current.

@@ -204,9 +204,10 @@ struct OomReport {
   // granule cache and the device (or memory_limit_bytes) could supply.
   std::size_t growth_bytes = 0;
   std::size_t tenant_max_bytes = 0;
-  // Expandable mode: the stream's virtual range (twice the device's memory)
-  // had no free run long enough for the request, whatever the device had:
-  // live blocks spread over it split it. virtual_range_bytes is its size.
+  // Expandable mode: none of the stream's virtual ranges for the pool (each
+  // twice the device's memory; a fourth is the most) had a place for the
+  // request, whatever the device had: live blocks spread over them split
+  // them. virtual_range_bytes is their size in all.
   bool virtual_range_exhausted = false;
   std::size_t virtual_range_bytes = 0;
   std::string ToString() const;
