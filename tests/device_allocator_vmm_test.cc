@@ -448,6 +448,52 @@ TEST_F(VmmTest, FreeRunOfSeveralHolesIsJoined) {
   Free(live[2]);
 }
 
+// The join unmaps only the run it joins: without pressure the stream's
+// other free granules stay mapped for it.
+TEST_F(VmmTest, JoinUnmapsOnlyTheRun) {
+  InitKeepingOoms(64 * kMiB);
+  std::vector<DevicePtr> live = HolesOfGrowingTensors(*alloc_, a1_);
+  const DevicePtr x = Alloc(4 * kGranule, a1_);
+  const DevicePtr y = Alloc(kGranule, a1_);
+  Free(x);
+  Free(live[1]);
+  ASSERT_EQ(RangePicture(*alloc_, a1_), "M4 L1 U9 L1 U15 M1 U16 L1 U16");
+  const std::uint64_t unmaps = sim_->call_count(SimCall::kMemUnmap);
+  const DevicePtr q = Alloc(18 * kGranule, a1_);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemUnmap), unmaps + 1);  // the M1
+  const std::uint64_t maps = sim_->call_count(SimCall::kMemMap);
+  Free(Alloc(4 * kGranule, a1_));  // the M4, still mapped
+  EXPECT_EQ(sim_->call_count(SimCall::kMemMap), maps);
+  EXPECT_FALSE(oom_.has_value());
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  Free(q);
+  Free(y);
+  Free(live[0]);
+  Free(live[2]);
+}
+
+// A stream with queued work: its free run is not joined with a host wait
+// while another range can be reserved at once.
+TEST_F(VmmTest, BusyStreamGetsAnotherRangeWithoutAHostWait) {
+  InitKeepingOoms(64 * kMiB);
+  std::vector<DevicePtr> live = HolesOfGrowingTensors(*alloc_, a1_);
+  Free(live[0]);  // U14 M1 U15: a run of 30 granules
+  sim_->Hold(a1_);
+  ASSERT_TRUE(sim_->Touch(a1_, live[1], kGranule).ok());
+  const std::uint64_t syncs = SyncCalls(*sim_);
+  const std::uint64_t reserves = sim_->call_count(SimCall::kMemAddressReserve);
+  const DevicePtr q = Alloc(17 * kGranule, a1_);
+  EXPECT_EQ(SyncCalls(*sim_), syncs);
+  EXPECT_EQ(sim_->misuse_count(), 0u);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), reserves + 1);
+  EXPECT_EQ(RangePicture(*alloc_, a1_), "U14 M1 U15 L1 U16 L1 U16 | L17 U47");
+  sim_->Release(a1_);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  Free(q);
+  Free(live[1]);
+  Free(live[2]);
+}
+
 // Place looks at a bounded number of candidates (16 holes from the
 // request's size up, the holes beside the 256 largest mapped free blocks).
 // When those hold no place it looks at every one before the range is

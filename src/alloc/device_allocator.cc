@@ -202,6 +202,14 @@ int PoolIndex(bool small) { return small ? 0 : 1; }
 // them), as PyTorch opens another expandable segment.
 constexpr int kMaxRanges = 4;
 
+// Which mapped free blocks a walk over a stream's free granules visits:
+// those of `pool` (a PoolIndex; -1: both) inside [lo, hi).
+struct Within {
+  int pool = -1;
+  std::uint64_t lo = 0;
+  std::uint64_t hi = std::numeric_limits<std::uint64_t>::max();
+};
+
 struct StreamState;
 struct OwnerRec;
 
@@ -3282,13 +3290,13 @@ class CachingDeviceAllocator::Impl {
   // `ss` (large pool first, largest block first) that does not overlap
   // [skip_lo, skip_hi), until fn returns false. Walks the free indexes only
   // (never the allocated blocks), and stops at blocks under a granule. With
-  // `only_pool` (a PoolIndex), that pool's blocks only.
+  // `within`, only the blocks of its pool inside its addresses.
   template <typename Fn>
   void ForFreeGranuleRuns(StreamState* ss, std::uint64_t skip_lo,
-                          std::uint64_t skip_hi, Fn fn, int only_pool = -1)
+                          std::uint64_t skip_hi, Fn fn, Within within = {})
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     for (int pool : {1, 0}) {
-      if (only_pool >= 0 && pool != only_pool) continue;
+      if (within.pool >= 0 && pool != within.pool) continue;
       bool mapped = false;
       for (const Segment* seg : ss->range[pool]) {
         mapped = mapped || (seg != nullptr && RangeOf(seg)->mapped != 0);
@@ -3297,6 +3305,7 @@ class CachingDeviceAllocator::Impl {
       for (Block* b = ss->free[pool].Last();
            b != nullptr && b->size >= granule_; b = FreeIndex<Block>::Prev(b)) {
         if (b->address < skip_hi && b->end() > skip_lo) continue;
+        if (b->address < within.lo || b->end() > within.hi) continue;
         const VmmRange* r = RangeOf(b->segment);
         const std::size_t lo = (b->address - r->base + granule_ - 1) / granule_;
         const std::size_t hi = (b->end() - r->base) / granule_;
@@ -3337,12 +3346,12 @@ class CachingDeviceAllocator::Impl {
   // skip range, the top of a block first) into the cache once its queued
   // work is done: with `wait`, waits for it (counted in *waits); else sets
   // *busy and unmaps nothing. Never more than `cap` bytes in all (a piece
-  // that would pass it stays). With `only_pool`, that pool's granules only.
+  // that would pass it stays). With `within`, only its blocks' granules.
   absl::Status UnmapFreeGranules(StreamState* ss, std::size_t want, bool wait,
                                  int* waits, bool* busy, std::size_t* unmapped,
                                  std::uint64_t skip_lo = 0,
                                  std::uint64_t skip_hi = 0,
-                                 std::size_t cap = kNoLimit, int only_pool = -1)
+                                 std::size_t cap = kNoLimit, Within within = {})
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     // Per block, the pieces to unmap: a contiguous span [lo, hi) of granules.
     absl::InlinedVector<GranuleRun, 8> todo;
@@ -3377,7 +3386,7 @@ class CachingDeviceAllocator::Impl {
           if (take.hi != 0) todo.push_back(take);
           return true;
         },
-        only_pool);
+        within);
     if (todo.empty()) return absl::OkStatus();
     // Host memory first: the cache's room for the pieces and the blocks
     // each Carve makes, so that no std::bad_alloc follows an unmap.
@@ -3629,14 +3638,23 @@ class CachingDeviceAllocator::Impl {
     return best;
   }
   // Whether `seg` holds a run of free blocks (mapped or not, no live,
-  // pending or quarantined block between them) of at least `rounded` bytes.
-  // O(blocks in the range): for the request that would otherwise fail.
-  static bool HasFreeRun(const Segment* seg, std::size_t rounded) {
+  // pending or quarantined block between them) of at least `rounded` bytes;
+  // if so, [*lo, *hi) is the first. O(blocks in the range): for the request
+  // that would otherwise fail.
+  static bool HasFreeRun(const Segment* seg, std::size_t rounded,
+                         std::uint64_t* lo, std::uint64_t* hi) {
     std::size_t run = 0;
     for (const Block* b = seg->first; b != nullptr; b = b->next) {
-      run =
-          b->state == BlockState::kFree && !b->quarantined ? run + b->size : 0;
-      if (run >= rounded) return true;
+      if (b->state != BlockState::kFree || b->quarantined) {
+        run = 0;
+        continue;
+      }
+      if (run == 0) *lo = b->address;
+      run += b->size;
+      if (run >= rounded) {
+        *hi = b->end();
+        return true;
+      }
     }
     return false;
   }
@@ -3703,11 +3721,11 @@ class CachingDeviceAllocator::Impl {
     // Place looks at a bounded number of candidates, each one hole with its
     // two mapped free neighbours. Before the ranges are called full: every
     // candidate; then, when a run of free blocks (holes and mapped free
-    // blocks between them) could hold the request, this pool's free
-    // granules go to the granule cache (waiting for the stream's queued
-    // work if need be), which joins the run into one hole, and every
-    // candidate again; then another range (kMaxRanges), whose failure to
-    // reserve is kept in range_error.
+    // blocks between them) could hold the request, the run's free granules
+    // go to the granule cache if the stream's queued work is done, which
+    // joins it into one hole, and every candidate again; then another range
+    // (kMaxRanges; a failure to reserve is kept in range_error); only then
+    // a wait for the stream, and the join.
     absl::Status range_error;
     auto place_harder = [&](Anchors anchors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(
                             mu_, ss->mu) {
@@ -3715,35 +3733,39 @@ class CachingDeviceAllocator::Impl {
       if (p.u != nullptr) return p;
       Segment** empty = nullptr;
       bool run = false;
+      Within within{PoolIndex(small)};
       for (Segment*& r : ss->range[PoolIndex(small)]) {
         if (r == nullptr && empty == nullptr) empty = &r;
-        run = run || (r != nullptr && HasFreeRun(r, rounded));
+        run = run ||
+              (r != nullptr && HasFreeRun(r, rounded, &within.lo, &within.hi));
       }
-      if (run) {
-        bool busy = false;
+      // The run's free granules (only those) to the cache, so it becomes
+      // one hole; with `wait`, after the stream's queued work.
+      bool busy = false;
+      auto join = [&](bool wait) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
+        busy = false;
         std::size_t got = 0;
-        for (bool wait : {false, true}) {
-          busy = false;
-          UnmapFreeGranules(ss, kNoLimit, wait, nullptr, &busy, &got, 0, 0,
-                            kNoLimit, PoolIndex(small))
-              .IgnoreError();
-          if (!busy) break;
-        }
+        UnmapFreeGranules(ss, kNoLimit, wait, nullptr, &busy, &got, 0, 0,
+                          kNoLimit, within)
+            .IgnoreError();
         if (got != 0) {
           p = Place(ss, rounded, small, {nullptr, nullptr},
                     /*exhaustive=*/true);
-          if (p.u != nullptr) return p;
         }
-      }
-      // Another range, while there is a slot for one.
-      if (empty == nullptr) return p;
-      absl::StatusOr<Segment*> more = ReserveRange(ss, small, empty);
-      if (!more.ok()) {
+        return p.u != nullptr;
+      };
+      if (run && join(/*wait=*/false)) return p;
+      // Another range, while there is a slot for one, before any wait.
+      if (empty != nullptr) {
+        absl::StatusOr<Segment*> more = ReserveRange(ss, small, empty);
+        if (more.ok()) {
+          return Place(ss, rounded, small, {nullptr, nullptr},
+                       /*exhaustive=*/true);
+        }
         range_error = more.status();
-        return p;
       }
-      return Place(ss, rounded, small, {nullptr, nullptr},
-                   /*exhaustive=*/true);
+      if (run && busy) join(/*wait=*/true);
+      return p;
     };
     Placement at = Place(ss, rounded, small);
     if (at.u == nullptr) at = place_harder({nullptr, nullptr});
