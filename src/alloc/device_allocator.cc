@@ -3107,13 +3107,13 @@ class CachingDeviceAllocator::Impl {
     return (hi + 1 - lo - r->CountMapped(lo, hi + 1)) * granule_;
   }
 
-  // The stream's first range for a pool, reserved on first use.
-  absl::StatusOr<Segment*> EnsureRange(StreamState* ss, bool small)
+  // Reserves the stream's first range for a pool on first use.
+  absl::Status EnsureRange(StreamState* ss, bool small)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
     for (Segment*& slot : ss->range[PoolIndex(small)]) {
-      if (slot != nullptr) return slot;
+      if (slot != nullptr) return absl::OkStatus();
     }
-    return ReserveRange(ss, small, &ss->range[PoolIndex(small)][0]);
+    return ReserveRange(ss, small, &ss->range[PoolIndex(small)][0]).status();
   }
 
   // Reserves a range for the stream's pool into the empty `slot`, one
@@ -3717,19 +3717,21 @@ class CachingDeviceAllocator::Impl {
                                                bool small, OomReport* report,
                                                bool* oom, const Tag& tag)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
-    CTXPOOL_RETURN_IF_ERROR(EnsureRange(ss, small).status());
-    // Place looks at a bounded number of candidates, each one hole with its
-    // two mapped free neighbours. Before the ranges are called full: every
-    // candidate; then, when a run of free blocks (holes and mapped free
-    // blocks between them) could hold the request, the run's free granules
-    // go to the granule cache if the stream's queued work is done, which
-    // joins it into one hole, and every candidate again; then another range
-    // (kMaxRanges; a failure to reserve is kept in range_error); only then
-    // a wait for the stream, and the join.
+    CTXPOOL_RETURN_IF_ERROR(EnsureRange(ss, small));
+    // Where the request goes. Place looks at a bounded number of candidates,
+    // each one hole with its two mapped free neighbours. When none serves,
+    // before the ranges are called full: every candidate; then, when a run
+    // of free blocks (holes and mapped free blocks between them) could hold
+    // the request, the run's free granules go to the granule cache if the
+    // stream's queued work is done, which joins it into one hole, and every
+    // candidate again; then another range (kMaxRanges; a failure to reserve
+    // is kept in range_error); only then a wait for the stream, and the join.
     absl::Status range_error;
-    auto place_harder = [&](Anchors anchors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(
-                            mu_, ss->mu) {
-      Placement p = Place(ss, rounded, small, anchors, /*exhaustive=*/true);
+    auto place = [&](Anchors anchors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_,
+                                                                    ss->mu) {
+      Placement p = Place(ss, rounded, small, anchors);
+      if (p.u != nullptr) return p;
+      p = Place(ss, rounded, small, anchors, /*exhaustive=*/true);
       if (p.u != nullptr) return p;
       Segment** empty = nullptr;
       bool run = false;
@@ -3767,8 +3769,7 @@ class CachingDeviceAllocator::Impl {
       if (run && busy) join(/*wait=*/true);
       return p;
     };
-    Placement at = Place(ss, rounded, small);
-    if (at.u == nullptr) at = place_harder({nullptr, nullptr});
+    Placement at = place({nullptr, nullptr});
     // No range has a place for the request and no other can be reserved
     // (FillReport adds the rest; AllocateMiss turns this into the report's
     // text). A reservation that failed other than for memory is returned.
@@ -3803,8 +3804,7 @@ class CachingDeviceAllocator::Impl {
         over -= std::min(over, got);
         if (over == 0) break;
       }
-      at = Place(ss, rounded, small, anchors);
-      if (at.u == nullptr) at = place_harder(anchors);
+      at = place(anchors);
       if (at.u == nullptr) return exhausted();
       if (TenantMapped(ss->tenant) + at.bytes() > t.budget.max) {
         return TenantOom(ss, rounded, requested, at.bytes(), report, oom);
@@ -3820,8 +3820,7 @@ class CachingDeviceAllocator::Impl {
       Reclaim(ss, at.bytes() > cached ? at.bytes() - cached : 0, skip_lo,
               skip_hi);
       // Reclaim reshaped the blocks; the first placement stays a candidate.
-      at = Place(ss, rounded, small, anchors);
-      if (at.u == nullptr) at = place_harder(anchors);
+      at = place(anchors);
       if (at.u == nullptr) return exhausted();
       if (t.budget.max != kNoLimit &&
           TenantMapped(ss->tenant) + at.bytes() > t.budget.max) {
