@@ -427,6 +427,157 @@ TEST_F(VmmTest, RangesStopAtFour) {
   Free(Alloc((granules + 1) * kGranule, a1_));
 }
 
+// Trim gives back a range that holds no mapped granule, whichever slot it
+// sits in, and keeps the (stream, pool)'s last one: extra ranges are
+// address space the stream no longer needs. A range it gave back leaves a
+// slot for the next that live blocks make necessary.
+TEST_F(VmmTest, TrimGivesBackRangesThatMapNothing) {
+  InitKeepingOoms(64 * kMiB);
+  std::vector<DevicePtr> live = HolesOfGrowingTensors(*alloc_, a1_);
+  const std::uint64_t reserves = sim_->call_count(SimCall::kMemAddressReserve);
+  const std::uint64_t frees = sim_->call_count(SimCall::kMemAddressFree);
+  const std::int64_t segments = alloc_->Stats().total.segment[0].current;
+  // The second range (slot 1) serves a request, which is then freed.
+  Free(Alloc(17 * kGranule, a1_));
+  ASSERT_EQ(sim_->call_count(SimCall::kMemAddressReserve), reserves + 1);
+  ASSERT_EQ(alloc_->Stats().total.segment[0].current, segments + 1);
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressFree), frees + 1);
+  EXPECT_EQ(RangePicture(*alloc_, a1_), "U14 L1 U15 L1 U16 L1 U16");
+  EXPECT_EQ(alloc_->Stats().total.segment[0].current, segments);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  // A second Trim finds nothing more to give back.
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressFree), frees + 1);
+  // Now the first range (slot 0) empties while the second holds a block.
+  const DevicePtr q = Alloc(17 * kGranule, a1_);
+  EXPECT_FALSE(oom_.has_value());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), reserves + 2);
+  for (DevicePtr p : live) Free(p);
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressFree), frees + 2);
+  EXPECT_EQ(RangePicture(*alloc_, a1_), "L17 U47");
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  // Growth goes on in the range that is left, and a request with no place
+  // in it takes the freed slot.
+  Free(q);
+  live = HolesOfGrowingTensors(*alloc_, a1_);
+  EXPECT_EQ(RangePicture(*alloc_, a1_), "U14 L1 U15 L1 U16 L1 U16");
+  const DevicePtr r = Alloc(17 * kGranule, a1_);
+  EXPECT_FALSE(oom_.has_value());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), reserves + 3);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  Free(r);
+  for (DevicePtr p : live) Free(p);
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  EXPECT_EQ(Reserved(), 0u);
+  // Every range but one is given back, and nothing maps twice.
+  const std::uint64_t reserved_now =
+      sim_->call_count(SimCall::kMemAddressReserve) -
+      sim_->call_count(SimCall::kMemAddressFree);
+  EXPECT_EQ(reserved_now, 1u);
+  EXPECT_EQ(alloc_->Snapshot().segments.size(), 1u);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  EXPECT_TRUE(alloc_->Reset().ok());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressFree),
+            sim_->call_count(SimCall::kMemAddressReserve));
+}
+
+// The cap of four is on ranges held at once: once Trim gives the empty
+// ones back, a stream whose live blocks spread again gets four again.
+TEST_F(VmmTest, TrimmedRangesMakeRoomUnderTheCap) {
+  InitKeepingOoms(128 * kMiB);
+  auto fill = [&](std::vector<DevicePtr>* live) {
+    for (std::size_t granules = 30;; ++granules) {
+      if (granules >= 60) return false;
+      absl::StatusOr<DevicePtr> block = HoleThenBlock(*alloc_, a1_, granules);
+      if (!block.ok()) return true;
+      live->push_back(*block);
+    }
+  };
+  std::vector<DevicePtr> live;
+  ASSERT_TRUE(fill(&live));
+  ASSERT_TRUE(oom_.has_value() && oom_->virtual_range_exhausted);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), 4u);
+  for (DevicePtr p : live) Free(p);
+  live.clear();
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressFree), 3u);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  oom_.reset();
+  ASSERT_TRUE(fill(&live));
+  ASSERT_TRUE(oom_.has_value() && oom_->virtual_range_exhausted);
+  EXPECT_EQ(oom_->virtual_range_bytes, 4 * 256 * kMiB);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), 7u);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  for (DevicePtr p : live) Free(p);
+}
+
+// A range whose address space the driver will not free stays on the books
+// as it was; Trim says so, and the next Trim gives it back.
+TEST_F(VmmTest, RangeTheDriverKeepsStaysForTheNextTrim) {
+  InitKeepingOoms(64 * kMiB);
+  std::vector<DevicePtr> live = HolesOfGrowingTensors(*alloc_, a1_);
+  Free(Alloc(17 * kGranule, a1_));
+  const std::uint64_t frees = sim_->call_count(SimCall::kMemAddressFree);
+  const std::int64_t segments = alloc_->Stats().total.segment[0].current;
+  sim_->InjectFault(SimCall::kMemAddressFree, 1, cu::kErrorInvalidValue);
+  EXPECT_FALSE(alloc_->Trim(0).ok());
+  EXPECT_EQ(alloc_->Stats().total.segment[0].current, segments);
+  EXPECT_EQ(RangePicture(*alloc_, a1_), "U14 L1 U15 L1 U16 L1 U16 | U64");
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  // The range still serves.
+  Free(Alloc(17 * kGranule, a1_));
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  ASSERT_TRUE(alloc_->Trim(0).ok());
+  // The refused call and the one that freed the range.
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressFree), frees + 2);
+  EXPECT_EQ(alloc_->Stats().total.segment[0].current, segments - 1);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  for (DevicePtr p : live) Free(p);
+}
+
+// A mapping that fails for memory is retried at another place. When the
+// failed run could be neither given access nor unmapped (quarantined), it
+// splits the only place the request had: the retry looks further (every
+// hole, a run to join, another range) rather than fail with the device
+// mostly free, and the quarantined piece stays out of every index.
+TEST_F(VmmTest, RetryAfterAQuarantinedRunFindsAnotherPlace) {
+  InitKeepingOoms(64 * kMiB);  // single-granule mappings; a 64-granule range
+  // Holes of 14, 15 and 15 granules, each followed by a live granule, leave
+  // a 17-granule tail: the only place for 17 granules.
+  std::vector<DevicePtr> live;
+  for (std::size_t granules : {14, 15, 15}) {
+    absl::StatusOr<DevicePtr> block = HoleThenBlock(*alloc_, a1_, granules);
+    ASSERT_TRUE(block.ok()) << block.status();
+    live.push_back(*block);
+  }
+  ASSERT_EQ(RangePicture(*alloc_, a1_), "U14 L1 U15 L1 U15 L1 U17");
+  const std::uint64_t reserves = sim_->call_count(SimCall::kMemAddressReserve);
+  const std::int64_t errors = alloc_->Stats().driver_errors;
+  // The run's cuMemSetAccess fails for memory; its rollback can neither
+  // unmap it (two tries) nor give it access.
+  sim_->InjectFault(SimCall::kMemSetAccess, 2, cu::kErrorOutOfMemory);
+  sim_->InjectFault(SimCall::kMemUnmap, 2, cu::kErrorUnknown);
+  absl::StatusOr<DevicePtr> q = alloc_->Allocate(17 * kGranule, a1_);
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_FALSE(oom_.has_value());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), reserves + 1);
+  // The first granule of the tail is quarantined (mapped, in no index).
+  EXPECT_EQ(RangePicture(*alloc_, a1_),
+            "U14 L1 U15 L1 U15 L1 M1 U16 | L17 U47");
+  EXPECT_GT(alloc_->Stats().driver_errors, errors);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  // The quarantined piece serves nothing; Reset unmaps it with the rest.
+  Free(*q);
+  for (DevicePtr p : live) Free(p);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  EXPECT_TRUE(alloc_->Reset().ok());
+  EXPECT_EQ(alloc_->Stats().total.reserved_bytes[0].current, 0);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressFree),
+            sim_->call_count(SimCall::kMemAddressReserve));
+}
+
 // A run of free blocks, holes with a mapped free block between them, holds
 // the request: its free granules are unmapped into the cache so the run
 // becomes one hole, before another range is reserved.

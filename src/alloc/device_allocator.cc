@@ -1076,6 +1076,7 @@ class CachingDeviceAllocator::Impl {
                                         &result.event_waits, &busy, nullptr));
         if (busy) busy_segments += FreeMappedBytes(ss);
       }
+      status.Update(DropEmptyRanges());
       status.Update(ReleaseGranuleCache(keep_bytes, &result.freed_bytes));
       result.remaining_bytes = Reserved() + CacheBytes();
     } else {
@@ -3107,6 +3108,37 @@ class CachingDeviceAllocator::Impl {
     return (hi + 1 - lo - r->CountMapped(lo, hi + 1)) * granule_;
   }
 
+  // Trim's last step over the ranges: each one that maps no granule goes
+  // back to the driver, except a (stream, pool)'s last one (its next growth
+  // goes there). Extra ranges (kMaxRanges) come when live blocks split the
+  // first; once those are freed the address space is given back, and the
+  // slot is free for the next. Only address space: no physical memory. A
+  // range the driver keeps stays as it was, for the next Trim.
+  absl::Status DropEmptyRanges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::Status status;
+    for (StreamState* ss : SortedStreams()) {
+      ss->mu.AssertHeld();
+      for (auto& slots : ss->range) {
+        int held = 0;
+        for (const Segment* r : slots) held += r != nullptr ? 1 : 0;
+        for (Segment* r : slots) {
+          if (held <= 1) break;
+          // No mapped granule: one unmapped free block (I9, I11), so no
+          // live, pending or quarantined block and no pending_ entry.
+          if (r == nullptr || RangeOf(r)->mapped != 0) continue;
+          absl::Status s =
+              DropSegment(r, /*free_memory=*/true, /*keep_on_error=*/true);
+          if (s.ok()) {
+            --held;
+          } else {
+            status.Update(s);
+          }
+        }
+      }
+    }
+    return status;
+  }
+
   // Reserves the stream's first range for a pool on first use.
   absl::Status EnsureRange(StreamState* ss, bool small)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
@@ -4164,6 +4196,27 @@ absl::Status CachingDeviceAllocator::Impl::CheckInvariants() const {
     AddStat(total.*field, small, n);
     AddStat(per_stream[stream].*field, small, n);
   };
+  // I9: every range slot names a live range of its stream and pool, once.
+  for (const auto& [stream, state] : streams_) {
+    const StreamState* ss = state.get();
+    ss->mu.AssertHeld();
+    for (int pool = 0; pool < 2; ++pool) {
+      const Segment* const* slots = ss->range[pool];
+      for (int i = 0; i < kMaxRanges; ++i) {
+        const Segment* r = slots[i];
+        if (r == nullptr) continue;
+        const auto it = segments_.find(r->base);
+        if (!expandable_ || it == segments_.end() || it->second != r ||
+            ShardOf(r) != ss || PoolIndex(r->small) != pool ||
+            std::find(slots, slots + i, r) != slots + i) {
+          return absl::InternalError(core_internal::Format(
+              "I9: stream 0x%x's range slot %d of pool %d names no range of "
+              "its own",
+              stream, i, pool));
+        }
+      }
+    }
+  }
   for (const auto& [base, seg_ptr] : segments_) {
     const Segment& seg = *seg_ptr;
     if (seg.base != base) {

@@ -79,13 +79,15 @@
 //
 // Expandable segments (BackingMode::kExpandable, needs a device with VMM):
 // each (stream, pool) reserves one virtual range twice the size of the device's
-// memory on its first allocation; its blocks split and coalesce inside the
-// range as in a classic segment, and 2 MiB physical granules (cuMemCreate)
-// are mapped under a block when it is handed out. Trim unmaps every granule
-// wholly covered by free blocks (once the owner stream's queued work is done)
-// into a per-device granule cache; growth on any stream maps a cached granule
-// before it calls cuMemCreate, so physical memory moves between streams and
-// models without a host synchronise of unrelated streams. In this mode the
+// memory on its first allocation (and up to four at once when live blocks
+// split them so that no place is left; Trim gives the empty ones back); its
+// blocks split and coalesce inside the range as in a classic segment, and
+// 2 MiB physical granules (cuMemCreate) are mapped under a block when it is
+// handed out. Trim unmaps every granule wholly covered by free blocks (once
+// the owner stream's queued work is done) into a per-device granule cache;
+// growth on any stream maps a cached granule before it calls cuMemCreate, so
+// physical memory moves between streams and models without a host
+// synchronise of unrelated streams. In this mode the
 // reserved_bytes statistics count MAPPED physical bytes (the operator's
 // "reserved"); cached granules are reported separately (granule_cache_bytes).
 // max_split_size does not apply (the range is one segment).
@@ -550,11 +552,13 @@ class CachingDeviceAllocator {
   // Returns cached memory to the driver until at most `keep_bytes` stay
   // reserved beyond live blocks, largest wholly free segments first
   // (expandable: unmaps every granule wholly covered by free blocks into the
-  // granule cache, then releases cached granules down to `keep_bytes`). First
-  // waits for the events of pending frees. Never releases memory a pending
-  // stream may still touch: waits on that stream's event (counted in the
-  // result and in num_host_syncs); memory it cannot wait for stays
-  // (busy_bytes). A driver error leaves the segment cached and is returned.
+  // granule cache, gives back every virtual range left mapping nothing but a
+  // stream's last one for each pool, then releases cached granules down to
+  // `keep_bytes`). First waits for the events of pending frees. Never
+  // releases memory a pending stream may still touch: waits on that stream's
+  // event (counted in the result and in num_host_syncs); memory it cannot
+  // wait for stays (busy_bytes). A driver error leaves the segment cached
+  // and is returned.
   absl::StatusOr<TrimResult> Trim(std::size_t keep_bytes = 0);
 
   // The explicit check point (see "high" and "Decay" in the banner): polls
