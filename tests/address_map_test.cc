@@ -171,6 +171,70 @@ TEST(RangeTableTest, ReadersRaceTheWriter) {
   EXPECT_FALSE(bad.load());
 }
 
+// Ranges come and go (a stream's extra ranges, given back by Trim): the
+// table's host memory follows how many ranges are held at once, not how
+// many changes were made.
+TEST(RangeTableTest, ChurnKeepsTheTablesBounded) {
+  RangeTable table;
+  std::vector<std::unique_ptr<Segment>> held;
+  for (int i = 0; i < 20; ++i) {
+    held.push_back(
+        NewSegment((std::uint64_t{1} << 44) + i * (std::uint64_t{1} << 34),
+                   std::uint64_t{1} << 33));
+    table.Insert(held.back().get());
+  }
+  const std::size_t bytes = table.TableBytes();
+  auto extra = NewSegment(std::uint64_t{1} << 42, std::uint64_t{1} << 33);
+  for (int i = 0; i < 10000; ++i) {
+    table.Insert(extra.get());
+    ASSERT_EQ(table.Find(extra->base + 7), extra.get());
+    table.Erase(extra.get());
+  }
+  EXPECT_EQ(table.Find(extra->base + 7), nullptr);
+  EXPECT_EQ(table.TableBytes(), bytes);
+  for (auto& r : held) EXPECT_EQ(table.Find(r->base + r->size - 1), r.get());
+  // Growth keeps every table it replaced (a reader may still be in one),
+  // so the tables of n ranges stay within a small multiple of n entries.
+  EXPECT_LE(table.TableBytes(), 4 * 32 * 3 * sizeof(std::uint64_t));
+}
+
+// Readers racing a writer that inserts and erases ranges below theirs (so
+// the entries move under them) always find the range they look for, and
+// never a range that does not hold the address.
+TEST(RangeTableTest, ReadersRaceEntriesMovingUnderThem) {
+  RangeTable table;
+  std::vector<std::unique_ptr<Segment>> below;
+  for (int i = 0; i < 64; ++i) {
+    below.push_back(
+        NewSegment((std::uint64_t{1} << 40) + i * (std::uint64_t{1} << 32),
+                   std::uint64_t{1} << 31));
+  }
+  auto probe = NewSegment(std::uint64_t{1} << 46, std::uint64_t{1} << 31);
+  table.Insert(probe.get());
+  std::atomic<bool> done{false};
+  std::atomic<int> bad{0};
+  auto read = [&] {
+    while (!done.load(std::memory_order_relaxed)) {
+      if (table.Find(probe->base + 100) != probe.get()) ++bad;
+      for (const auto& b : below) {
+        const Segment* at = table.Find(b->base + 1);
+        if (at != nullptr && at != b.get()) ++bad;
+        if (table.Find(b->base + b->size + 1) != nullptr) ++bad;  // a gap
+      }
+    }
+  };
+  std::thread r1(read);
+  std::thread r2(read);
+  for (int round = 0; round < 200; ++round) {
+    for (int i = 0; i < 64; i += 1 + round % 3) table.Insert(below[i].get());
+    for (int i = 0; i < 64; i += 1 + round % 3) table.Erase(below[i].get());
+  }
+  done = true;
+  r1.join();
+  r2.join();
+  EXPECT_EQ(bad.load(), 0);
+}
+
 }  // namespace
 }  // namespace alloc_internal
 }  // namespace ctxpool

@@ -237,9 +237,14 @@ class SegmentPageMap {
   mutable std::vector<std::unique_ptr<Entry[]>> leaves_;
 };
 
-// Expandable ranges by address: a sorted array, replaced whole on every
-// change (a range is reserved once per stream and pool), each version kept
-// until destruction.
+// Expandable ranges by address: a sorted array changed in place under a
+// sequence count (a seqlock). A reader retries when a change overlapped its
+// search; it never waits on a lock, and it reads every field with acquire
+// loads, so the count's second read cannot move before them. The array
+// grows by doubling (the one it replaced kept until destruction, as a
+// reader may still be in it), so the host memory follows the most ranges
+// held at once: ranges come and go (a stream's extra ranges, given back by
+// Trim) without a new table per change.
 class RangeTable {
  private:
   struct Table;
@@ -252,62 +257,131 @@ class RangeTable {
   // The range holding `address`, or null.
   Segment* Find(std::uint64_t address) const {
     const Table* t = table_.load(std::memory_order_acquire);
-    auto it = std::upper_bound(
-        t->entries.begin(), t->entries.end(), address,
-        [](std::uint64_t a, const Entry& e) { return a < e.base; });
-    if (it == t->entries.begin()) return nullptr;
-    --it;
-    return address < it->end ? it->segment : nullptr;
+    for (;;) {
+      const std::uint64_t seq = t->seq.load(std::memory_order_acquire);
+      if ((seq & 1) != 0) continue;  // a writer is mid-change: brief
+      std::size_t lo = 0;
+      std::size_t hi = t->size.load(std::memory_order_acquire);
+      while (lo < hi) {  // the first entry with base > address
+        const std::size_t mid = lo + (hi - lo) / 2;
+        if (address < t->slots[mid].base.load(std::memory_order_acquire)) {
+          hi = mid;
+        } else {
+          lo = mid + 1;
+        }
+      }
+      Segment* found = nullptr;
+      if (lo != 0) {
+        const Slot& e = t->slots[lo - 1];
+        if (address < e.end.load(std::memory_order_acquire)) {
+          found = e.segment.load(std::memory_order_acquire);
+        }
+      }
+      if (t->seq.load(std::memory_order_relaxed) == seq) return found;
+    }
   }
 
-  // REQUIRES: writers serialised; ranges do not overlap.
+  // REQUIRES: writers serialised; ranges do not overlap. Throws
+  // std::bad_alloc with the table as it was.
   void Insert(Segment* seg) {
-    auto t = std::make_unique<Table>(*table_.load(std::memory_order_relaxed));
-    const Entry e{seg->base, seg->base + seg->size, seg};
-    t->entries.insert(std::upper_bound(t->entries.begin(), t->entries.end(), e,
-                                       [](const Entry& a, const Entry& b) {
-                                         return a.base < b.base;
-                                       }),
-                      e);
-    Publish(std::move(t));
+    Table* t = Writable();
+    std::size_t n = t->size.load(std::memory_order_relaxed);
+    if (n == t->capacity) {
+      // Host memory first: the bigger table and the room to keep this one.
+      auto bigger =
+          std::make_unique<Table>(t->capacity == 0 ? 8 : 2 * t->capacity);
+      kept_.reserve(kept_.size() + 1);
+      for (std::size_t i = 0; i < n; ++i)
+        bigger->slots[i].CopyFrom(t->slots[i]);
+      bigger->size.store(n, std::memory_order_relaxed);
+      kept_.push_back(std::move(bigger));
+      t = kept_.back().get();
+      table_.store(t, std::memory_order_release);
+    }
+    std::size_t at = 0;
+    while (at < n &&
+           t->slots[at].base.load(std::memory_order_relaxed) < seg->base) {
+      ++at;
+    }
+    Begin(t);
+    for (std::size_t i = n; i > at; --i) t->slots[i].CopyFrom(t->slots[i - 1]);
+    t->slots[at].Set(seg->base, seg->base + seg->size, seg);
+    t->size.store(n + 1, std::memory_order_release);
+    End(t);
   }
   void Erase(const Segment* seg) { CommitErase(PrepareErase(seg)); }
   // Erase in two steps, for a caller that must not meet std::bad_alloc
-  // after it gave the range back: PrepareErase makes the next version (and
-  // throws with nothing changed), CommitErase publishes it and cannot
-  // throw. REQUIRES: no other write between the two.
+  // after it gave the range back: PrepareErase throws with nothing changed
+  // (it allocates nothing now: the change is in place), CommitErase makes
+  // the change and cannot throw. REQUIRES: no other write between the two.
   struct Prepared {
-    std::unique_ptr<Table> table;
+    const Segment* segment;
   };
-  Prepared PrepareErase(const Segment* seg) {
-    auto t = std::make_unique<Table>(*table_.load(std::memory_order_relaxed));
-    t->entries.erase(
-        std::remove_if(t->entries.begin(), t->entries.end(),
-                       [&](const Entry& e) { return e.segment == seg; }),
-        t->entries.end());
-    versions_.reserve(versions_.size() + 1);
-    return Prepared{std::move(t)};
+  Prepared PrepareErase(const Segment* seg) { return Prepared{seg}; }
+  void CommitErase(Prepared p) noexcept {
+    Table* t = Writable();
+    const std::size_t n = t->size.load(std::memory_order_relaxed);
+    std::size_t at = 0;
+    while (at < n &&
+           t->slots[at].segment.load(std::memory_order_relaxed) != p.segment) {
+      ++at;
+    }
+    if (at == n) return;
+    Begin(t);
+    for (std::size_t i = at; i + 1 < n; ++i) {
+      t->slots[i].CopyFrom(t->slots[i + 1]);
+    }
+    t->size.store(n - 1, std::memory_order_release);
+    End(t);
   }
-  void CommitErase(Prepared p) { Publish(std::move(p.table)); }
+
+  // Host bytes of the tables kept (the current one and those it replaced).
+  std::size_t TableBytes() const {
+    std::size_t bytes = 0;
+    for (const auto& t : kept_) bytes += t->capacity * sizeof(Slot);
+    return bytes;
+  }
 
  private:
-  struct Entry {
-    std::uint64_t base;
-    std::uint64_t end;
-    Segment* segment;
+  struct Slot {
+    std::atomic<std::uint64_t> base{0};
+    std::atomic<std::uint64_t> end{0};
+    std::atomic<Segment*> segment{nullptr};
+    // Release stores: a reader that sees one also sees the odd count
+    // stored before it (and retries).
+    void Set(std::uint64_t b, std::uint64_t e, Segment* s) {
+      base.store(b, std::memory_order_release);
+      end.store(e, std::memory_order_release);
+      segment.store(s, std::memory_order_release);
+    }
+    void CopyFrom(const Slot& o) {
+      Set(o.base.load(std::memory_order_relaxed),
+          o.end.load(std::memory_order_relaxed),
+          o.segment.load(std::memory_order_relaxed));
+    }
   };
   struct Table {
-    std::vector<Entry> entries;
+    Table() = default;
+    explicit Table(std::size_t n)
+        : capacity(n), slots(std::make_unique<Slot[]>(n)) {}
+    const std::size_t capacity = 0;
+    std::unique_ptr<Slot[]> slots;
+    std::atomic<std::size_t> size{0};
+    std::atomic<std::uint64_t> seq{0};  // odd while a change is made
   };
-  // Kept before published: a std::bad_alloc leaves the table as it was.
-  void Publish(std::unique_ptr<Table> t) {
-    versions_.push_back(std::move(t));
-    table_.store(versions_.back().get(), std::memory_order_release);
+  Table* Writable() { return kept_.empty() ? &empty_ : kept_.back().get(); }
+  static void Begin(Table* t) {
+    t->seq.store(t->seq.load(std::memory_order_relaxed) + 1,
+                 std::memory_order_relaxed);
+  }
+  static void End(Table* t) {
+    t->seq.store(t->seq.load(std::memory_order_relaxed) + 1,
+                 std::memory_order_release);
   }
 
   Table empty_;
   std::atomic<const Table*> table_{nullptr};
-  std::vector<std::unique_ptr<Table>> versions_;
+  std::vector<std::unique_ptr<Table>> kept_;  // every table grown, in order
 };
 
 }  // namespace alloc_internal
