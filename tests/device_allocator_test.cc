@@ -555,6 +555,47 @@ TEST(OomReportTest, TextGivesTheCacheWhateverTheGrowth) {
   EXPECT_THAT(r.ToString(), Not(HasSubstr("granule cache")));
 }
 
+// The report says how much of the free memory is stranded beside live
+// blocks: classic, the free part of segments that hold a live block, which
+// no sweep or trim can give back while it lives.
+TEST_F(DeviceAllocatorTest, OomReportCountsFreeBytesStrandedBesideLiveBlocks) {
+  std::optional<OomReport> seen;
+  DeviceAllocatorOptions o;
+  o.on_oom = [&](const OomReport& report) {
+    seen = report;
+    return false;
+  };
+  Init(SmallDevice(64 * kMiB), std::move(o));
+  const DevicePtr a = Alloc(3 * kMiB, s1_);  // a 20 MiB segment
+  const DevicePtr b = Alloc(3 * kMiB, s1_);
+  DevicePtr c = Alloc(12 * kMiB, s2_);  // its own segment, wholly free after
+  Free(b);
+  Free(c);
+  absl::StatusOr<DevicePtr> q = alloc_->Allocate(50 * kMiB, s1_);
+  ASSERT_EQ(q.status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(seen.has_value());
+  EXPECT_EQ(seen->reserved_bytes, 20 * kMiB);  // the sweep gave c's back
+  EXPECT_EQ(seen->stranded_free_bytes, 17 * kMiB);
+  EXPECT_THAT(std::string(q.status().message()),
+              HasSubstr("; 17825792 of the free bytes are stranded beside "
+                        "live blocks"));
+  Free(a);
+  c = Alloc(50 * kMiB, s1_);
+  Free(c);
+}
+
+TEST(OomReportTest, TextGivesStrandedBytesOnlyWhenThereAreSome) {
+  OomReport r;
+  r.requested_bytes = 8 * kMiB;
+  r.rounded_bytes = 8 * kMiB;
+  EXPECT_THAT(r.ToString(), Not(HasSubstr("stranded")));
+  r.stranded_free_bytes = 3 * kMiB;
+  EXPECT_THAT(r.ToString(),
+              HasSubstr("; 3145728 of the free bytes are stranded beside live "
+                        "blocks (on memory they share: no trim frees them "
+                        "while those live)"));
+}
+
 TEST_F(DeviceAllocatorTest, OomCallbackMayFreeAndRetry) {
   int calls = 0;
   DevicePtr held;

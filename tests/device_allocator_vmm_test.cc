@@ -288,6 +288,49 @@ TEST_F(VmmTest, DeviceOomReportCountsTheGranuleCache) {
   Free(Alloc(11 * kMiB, a1_));  // fits once the rest is free
 }
 
+// The OOM report says how much of the free memory lies on granules that
+// live blocks share: no trim or reclaim can unmap it while they live, so it
+// is what stands between live bytes and the device's capacity.
+TEST_F(VmmTest, DeviceOomReportCountsFreeBytesOnSharedGranules) {
+  InitKeepingOoms(64 * kMiB);
+  // 11 MiB blocks map only themselves: A on granules 0-5 (its last 1 MiB
+  // free), B on [11, 22) MiB, C on granules 11-16 (its last 1 MiB free).
+  const DevicePtr a = Alloc(11 * kMiB, a1_);
+  const DevicePtr b = Alloc(11 * kMiB, a1_);
+  const DevicePtr c = Alloc(11 * kMiB, a1_);
+  ASSERT_EQ(b.address(), a.address() + 11 * kMiB);
+  ASSERT_EQ(c.address(), b.address() + 11 * kMiB);
+  ASSERT_EQ(Reserved(), 34 * kMiB);
+  Free(b);  // 1 MiB on A's last granule, then five whole granules
+  // 45 MiB extends C's free MiB by 22 granules: the reclaim unmaps B's five
+  // whole granules, and those 10 MiB with the 30 the device had are short
+  // of 44 MiB.
+  absl::StatusOr<DevicePtr> d = alloc_->Allocate(45 * kMiB, a1_);
+  ASSERT_EQ(d.status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(oom_.has_value());
+  EXPECT_EQ(oom_->growth_bytes, 44 * kMiB);
+  EXPECT_EQ(oom_->reserved_bytes, 24 * kMiB);
+  EXPECT_EQ(oom_->cached_bytes, 40 * kMiB);  // with what it created
+  EXPECT_EQ(oom_->device_free_bytes, 0u);
+  EXPECT_EQ(oom_->live_bytes, 22 * kMiB);
+  EXPECT_EQ(oom_->stranded_free_bytes, 2 * kMiB);
+  EXPECT_THAT(std::string(d.status().message()),
+              HasSubstr("; 2097152 of the free bytes are stranded beside "
+                        "live blocks"));
+  // Once A goes, its granule's free MiB is a whole free granule; only C's
+  // stays shared.
+  Free(a);
+  oom_.reset();
+  d = alloc_->Allocate(57 * kMiB, a1_);
+  ASSERT_FALSE(d.ok());
+  ASSERT_TRUE(oom_.has_value());
+  EXPECT_EQ(oom_->stranded_free_bytes, 1 * kMiB);
+  Free(c);
+  oom_.reset();
+  Free(Alloc(45 * kMiB, a1_));
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+}
+
 // A hole of `granules` followed by a live one-granule block: a tensor one
 // granule larger than any hole goes to the end of what the stream's ranges
 // use, is freed, and the hole and the block are carved from it. Returns

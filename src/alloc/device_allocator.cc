@@ -515,6 +515,13 @@ std::string OomReport::ToString() const {
         "reserved)",
         growth_bytes != 0 ? ", and" : ";", cached_bytes);
   }
+  if (stranded_free_bytes != 0) {
+    core_internal::AppendFormat(
+        &out,
+        "; %d of the free bytes are stranded beside live blocks (on memory "
+        "they share: no trim frees them while those live)",
+        stranded_free_bytes);
+  }
   if (memory_limit_bytes != 0) {
     core_internal::AppendFormat(
         &out, "; the allocator's memory_limit_bytes is %d", memory_limit_bytes);
@@ -4029,6 +4036,38 @@ class CachingDeviceAllocator::Impl {
     return absl::ResourceExhaustedError(report->ToString());
   }
 
+  // Expandable: the free bytes of mapped free blocks outside every mapping
+  // wholly under the block (a granule, or a unit of them, that a live,
+  // pending or quarantined neighbour shares): what no trim or reclaim can
+  // unmap while those blocks stay. O(free blocks): for an OOM report.
+  std::size_t StrandedFreeBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::size_t n = 0;
+    for (const auto& [stream, state] : streams_) {
+      state->mu.AssertHeld();
+      for (const FreeIndex<Block>& index : state->free) {
+        for (const Block* b = index.Last(); b != nullptr;
+             b = FreeIndex<Block>::Prev(b)) {
+          const VmmRange* r = RangeOf(b->segment);
+          const std::size_t lo =
+              (b->address - r->base + granule_ - 1) / granule_;
+          const std::size_t hi = (b->end() - r->base) / granule_;
+          std::size_t whole = 0;
+          if (lo < hi) {
+            r->ForEachPiece(lo, hi,
+                            [&](std::size_t start, const VmmRange::Piece& p) {
+                              if (start >= lo && start + p.count <= hi) {
+                                whole += p.count * granule_;
+                              }
+                              return true;
+                            });
+          }
+          n += b->size - std::min(whole, b->size);
+        }
+      }
+    }
+    return n;
+  }
+
   void FillReport(StreamState* ss, std::size_t rounded, std::size_t requested,
                   OomReport* report)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
@@ -4058,6 +4097,9 @@ class CachingDeviceAllocator::Impl {
         Reserved() - Current(totals_.agg.active_bytes);
     largest = std::min(largest, free_bytes);
     report->largest_free_bytes = largest;
+    report->stranded_free_bytes =
+        expandable_ ? StrandedFreeBytes()
+                    : Current(totals_.agg.inactive_split_bytes);
     report->fragmentation = free_bytes == 0
                                 ? 0.0
                                 : 1.0 - static_cast<double>(largest) /

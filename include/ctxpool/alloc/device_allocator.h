@@ -206,6 +206,13 @@ struct OomReport {
   // granule cache and the device (or memory_limit_bytes) could supply.
   std::size_t growth_bytes = 0;
   std::size_t tenant_max_bytes = 0;
+  // Free bytes (in reserved_bytes) that no trim or reclaim can give back
+  // while the live blocks beside them live: expandable, those on a mapping
+  // (a granule, or a unit of them) that a live or pending block shares;
+  // classic, those in segments that hold a live or pending block. What
+  // stands between live_bytes and the device's capacity when the granule
+  // cache and the device are spent.
+  std::size_t stranded_free_bytes = 0;
   // Expandable mode: none of the stream's virtual ranges for the pool (each
   // twice the device's memory; a fourth is the most) had a place for the
   // request, whatever the device had: live blocks spread over them split
