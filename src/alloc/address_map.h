@@ -33,6 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "ctxpool/core/segment.h"
@@ -259,7 +260,11 @@ class RangeTable {
     const Table* t = table_.load(std::memory_order_acquire);
     for (;;) {
       const std::uint64_t seq = t->seq.load(std::memory_order_acquire);
-      if ((seq & 1) != 0) continue;  // a writer is mid-change: brief
+      if ((seq & 1) != 0) {
+        // A writer is mid-change: brief, unless it was preempted.
+        std::this_thread::yield();
+        continue;
+      }
       std::size_t lo = 0;
       std::size_t hi = t->size.load(std::memory_order_acquire);
       while (lo < hi) {  // the first entry with base > address

@@ -211,7 +211,8 @@ struct OomReport {
   // (a granule, or a unit of them) that a live or pending block shares;
   // classic, those in segments that hold a live or pending block. What
   // stands between live_bytes and the device's capacity when the granule
-  // cache and the device are spent.
+  // cache and the device are spent. Device-wide, in a tenant's OOM too
+  // (whose text gives the tenant's figures only).
   std::size_t stranded_free_bytes = 0;
   // Expandable mode: none of the stream's virtual ranges for the pool (each
   // twice the device's memory; a fourth is the most) had a place for the
