@@ -404,6 +404,66 @@ TEST_F(VmmTest, RangeWithNoPlaceOpensAnother) {
   EXPECT_EQ(sim_->call_count(SimCall::kMemAddressFree), reserves + 1);
 }
 
+// A request that no place could serve, because it and what is live pass
+// the device (or memory_limit_bytes), reserves no further range on its way
+// to the OOM: the report is the device's, with the growth it needed.
+TEST_F(VmmTest, RequestPastTheDeviceReservesNoRange) {
+  DeviceAllocatorOptions o;
+  o.memory_limit_bytes = 48 * kMiB;
+  InitKeepingOoms(64 * kMiB, std::move(o));
+  std::vector<DevicePtr> live = HolesOfGrowingTensors(*alloc_, a1_);
+  ASSERT_EQ(RangePicture(*alloc_, a1_), "U14 L1 U15 L1 U16 L1 U16");
+  const std::uint64_t reserves = sim_->call_count(SimCall::kMemAddressReserve);
+  // 23 granules fit the 24-granule limit, but not beside the 3 live.
+  absl::StatusOr<DevicePtr> q = alloc_->Allocate(23 * kGranule, a1_);
+  ASSERT_EQ(q.status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(oom_.has_value());
+  EXPECT_FALSE(oom_->virtual_range_exhausted);
+  EXPECT_EQ(oom_->growth_bytes, 23 * kGranule);
+  EXPECT_EQ(oom_->memory_limit_bytes, 48 * kMiB);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), reserves);
+  EXPECT_THAT(std::string(q.status().message()),
+              HasSubstr("it needed 48234496 bytes of new device memory"));
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+  // 3 + 20 fit the limit: the stream gets its second range and is served.
+  oom_.reset();
+  const DevicePtr r = Alloc(20 * kGranule, a1_);
+  EXPECT_FALSE(oom_.has_value());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), reserves + 1);
+  Free(r);
+  for (DevicePtr p : live) Free(p);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+}
+
+// The same for a tenant's max: its OOM, and no further range.
+TEST_F(VmmTest, RequestPastTheTenantsMaxReservesNoRange) {
+  InitKeepingOoms(64 * kMiB);
+  absl::StatusOr<TenantId> t =
+      alloc_->RegisterTenant("m", Budget{.max = 24 * kGranule});
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE(alloc_->BindStream(a1_, *t).ok());
+  std::vector<DevicePtr> live = HolesOfGrowingTensors(*alloc_, a1_);
+  ASSERT_EQ(RangePicture(*alloc_, a1_), "U14 L1 U15 L1 U16 L1 U16");
+  const std::uint64_t reserves = sim_->call_count(SimCall::kMemAddressReserve);
+  absl::StatusOr<DevicePtr> q = alloc_->Allocate(22 * kGranule, a1_);
+  ASSERT_EQ(q.status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(oom_.has_value());
+  EXPECT_TRUE(oom_->tenant_limit);
+  EXPECT_FALSE(oom_->virtual_range_exhausted);
+  EXPECT_EQ(oom_->growth_bytes, 22 * kGranule);
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), reserves);
+  EXPECT_THAT(std::string(q.status().message()),
+              HasSubstr("out of memory for tenant 'm'"));
+  // Within the max, the range comes.
+  oom_.reset();
+  const DevicePtr r = Alloc(20 * kGranule, a1_);
+  EXPECT_FALSE(oom_.has_value());
+  EXPECT_EQ(sim_->call_count(SimCall::kMemAddressReserve), reserves + 1);
+  Free(r);
+  for (DevicePtr p : live) Free(p);
+  EXPECT_TRUE(alloc_->CheckInvariants().ok());
+}
+
 // With no place in its ranges and no further range, the OOM says so (not a
 // device OOM that does not know what it needed) and loses nothing.
 TEST_F(VmmTest, NoPlaceAndNoFurtherRangeSaysSo) {

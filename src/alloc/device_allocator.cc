@@ -3146,6 +3146,28 @@ class CachingDeviceAllocator::Impl {
     return status;
   }
 
+  // Whether no placement could serve `rounded`: with the bytes allocated
+  // (all mapped) it passes the device's memory or memory_limit_bytes
+  // (DeviceCannotHold), or the max of `ss`'s tenant. Another virtual range
+  // would not help such a request.
+  bool DeviceCannotHold(std::size_t rounded) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    FoldAll();
+    std::size_t cap = device_total_;
+    if (options_.memory_limit_bytes != 0) {
+      cap = std::min(cap, options_.memory_limit_bytes);
+    }
+    const std::size_t live = Current(totals_.agg.allocated_bytes);
+    return live > cap || rounded > cap - live;
+  }
+  bool TenantCannotHold(StreamState* ss, std::size_t rounded) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
+    const std::size_t max = tenants_[ss->tenant]->budget.max;
+    if (max == kNoLimit) return false;
+    const std::size_t live = TenantLive(ss->tenant);
+    return live > max || rounded > max - live;
+  }
+
   // Reserves the stream's first range for a pool on first use.
   absl::Status EnsureRange(StreamState* ss, bool small)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, ss->mu) {
@@ -3796,8 +3818,10 @@ class CachingDeviceAllocator::Impl {
         return p.u != nullptr;
       };
       if (run && join(/*wait=*/false)) return p;
-      // Another range, while there is a slot for one, before any wait.
-      if (empty != nullptr) {
+      // Another range, while there is a slot for one, before any wait (none
+      // for a request no place could serve).
+      if (empty != nullptr && !DeviceCannotHold(rounded) &&
+          !TenantCannotHold(ss, rounded)) {
         absl::StatusOr<Segment*> more = ReserveRange(ss, small, empty);
         if (more.ok()) {
           return Place(ss, rounded, small, {nullptr, nullptr},
@@ -3816,8 +3840,18 @@ class CachingDeviceAllocator::Impl {
       if (!range_error.ok() && !IsOutOfMemory(range_error)) {
         return range_error;
       }
+      // No place, but none could serve: the device's (or the tenant's) OOM,
+      // with the growth a place of its own would need.
+      const std::size_t whole = SizeClasses::RoundUp(rounded, granule_);
+      if (TenantCannotHold(ss, rounded)) {
+        return TenantOom(ss, rounded, requested, whole, report, oom);
+      }
       ++num_alloc_retries_;
       *oom = true;
+      if (DeviceCannotHold(rounded)) {
+        report->growth_bytes = whole;
+        return absl::ResourceExhaustedError("out of memory");
+      }
       report->virtual_range_exhausted = true;
       report->virtual_range_bytes = 0;
       for (const Segment* r : ss->range[PoolIndex(small)]) {
