@@ -2806,8 +2806,7 @@ class CachingDeviceAllocator::Impl {
       if (MappedFree(b)) mapped_free.push_back(b);
     }
     for (Block* b : mapped_free) {
-      const std::size_t lo = (b->address - r->base + granule_ - 1) / granule_;
-      const std::size_t hi = (b->end() - r->base) / granule_;
+      const auto [lo, hi] = WholeGranules(b);
       // Highest run first, so that `b` stays the block below it.
       for (std::size_t i = hi; i > lo;) {
         if (r->IsMapped(i - 1)) {
@@ -3346,6 +3345,13 @@ class CachingDeviceAllocator::Impl {
     std::size_t lo;
     std::size_t hi;
   };
+  // The whole granules under block `b` of an expandable range: [lo, hi),
+  // range-relative (empty when lo >= hi).
+  std::pair<std::size_t, std::size_t> WholeGranules(const Block* b) const {
+    const VmmRange* r = RangeOf(b->segment);
+    return {(b->address - r->base + granule_ - 1) / granule_,
+            (b->end() - r->base) / granule_};
+  }
 
   // Calls fn(run) for the whole granules under each mapped free block of
   // `ss` (large pool first, largest block first) that does not overlap
@@ -3367,9 +3373,7 @@ class CachingDeviceAllocator::Impl {
            b != nullptr && b->size >= granule_; b = FreeIndex<Block>::Prev(b)) {
         if (b->address < skip_hi && b->end() > skip_lo) continue;
         if (b->address < within.lo || b->end() > within.hi) continue;
-        const VmmRange* r = RangeOf(b->segment);
-        const std::size_t lo = (b->address - r->base + granule_ - 1) / granule_;
-        const std::size_t hi = (b->end() - r->base) / granule_;
+        const auto [lo, hi] = WholeGranules(b);
         if (lo >= hi) continue;
         if (!fn(GranuleRun{b, lo, hi})) return;
       }
@@ -3425,13 +3429,11 @@ class CachingDeviceAllocator::Impl {
           const VmmRange* r = RangeOf(run.block->segment);
           // The pieces wholly inside [run.lo, run.hi), in order.
           absl::InlinedVector<std::pair<std::size_t, std::size_t>, 8> pieces;
-          r->ForEachPiece(run.lo, run.hi,
-                          [&](std::size_t start, const VmmRange::Piece& p) {
-                            if (start >= run.lo && start + p.count <= run.hi) {
-                              pieces.emplace_back(start, start + p.count);
-                            }
-                            return true;
-                          });
+          r->ForEachPieceWithin(
+              run.lo, run.hi, [&](std::size_t start, const VmmRange::Piece& p) {
+                pieces.emplace_back(start, start + p.count);
+                return true;
+              });
           // From the top down while contiguous and wanted.
           GranuleRun take{run.block, 0, 0};
           for (auto it = pieces.rbegin(); it != pieces.rend() && bytes < want;
@@ -4081,20 +4083,14 @@ class CachingDeviceAllocator::Impl {
       for (const FreeIndex<Block>& index : state->free) {
         for (const Block* b = index.Last(); b != nullptr;
              b = FreeIndex<Block>::Prev(b)) {
-          const VmmRange* r = RangeOf(b->segment);
-          const std::size_t lo =
-              (b->address - r->base + granule_ - 1) / granule_;
-          const std::size_t hi = (b->end() - r->base) / granule_;
+          const auto [lo, hi] = WholeGranules(b);
           std::size_t whole = 0;
-          if (lo < hi) {
-            r->ForEachPiece(lo, hi,
-                            [&](std::size_t start, const VmmRange::Piece& p) {
-                              if (start >= lo && start + p.count <= hi) {
-                                whole += p.count * granule_;
-                              }
-                              return true;
-                            });
-          }
+          RangeOf(b->segment)
+              ->ForEachPieceWithin(lo, hi,
+                                   [&](std::size_t, const VmmRange::Piece& p) {
+                                     whole += p.count * granule_;
+                                     return true;
+                                   });
           n += b->size - std::min(whole, b->size);
         }
       }

@@ -140,6 +140,14 @@ struct VmmRange {
       if (!fn(it->first, it->second)) return;
     }
   }
+  // Calls fn(start, piece) for each mapping wholly inside [lo, hi), in
+  // order (what can be unmapped there without touching granules outside).
+  template <typename Fn>
+  void ForEachPieceWithin(std::size_t lo, std::size_t hi, Fn fn) const {
+    ForEachPiece(lo, hi, [&](std::size_t start, const Piece& p) {
+      return start >= lo && start + p.count <= hi ? fn(start, p) : true;
+    });
+  }
   // Calls fn(i, handle) for each mapped granule i in [lo, hi), in order;
   // stops when fn returns false. Linear in the granules: for checks and
   // error paths.
